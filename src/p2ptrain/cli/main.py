@@ -1,0 +1,66 @@
+"""The ``p2ptrain`` command. Only this package reads argv and the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from p2ptrain import __version__
+from p2ptrain.cli import bench_commands, experiment_commands, identity_commands
+from p2ptrain.errors import LocalError, P2PTrainError
+
+DEFAULT_DATA_DIR = "p2ptrain-data"
+
+
+def default_data_dir() -> str:
+    """``$P2PTRAIN_DIR`` if set, else ./p2ptrain-data."""
+    return os.environ.get("P2PTRAIN_DIR") or DEFAULT_DATA_DIR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2ptrain",
+        description="Train one PyTorch model together on many untrusted computers.",
+        epilog="Run `p2ptrain COMMAND --help` for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    data_dir = default_data_dir()
+    identity_commands.add_parsers(commands, data_dir)
+    experiment_commands.add_parsers(commands, data_dir)
+    bench_commands.add_parsers(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        code: int = handler(args)
+    except LocalError as exc:
+        print(f"p2ptrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except P2PTrainError as exc:
+        print(f"p2ptrain: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("p2ptrain: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Quorum certificates: >= q attestations from distinct manifest validators over one head.
+
+A certificate holds the validators' raw signatures over the attestation records they signed,
+so anyone with the experiment manifest can check it without trusting whoever relayed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from p2ptrain.core import field_rules as rules
+from p2ptrain.core.encoding import encode, record_id
+from p2ptrain.core.envelope import Signed, signing_message
+from p2ptrain.core.identity import peer_id_of, verify_signature
+from p2ptrain.core.manifests import MAX_VALIDATORS, ExperimentManifest
+from p2ptrain.core.records import Attestation
+from p2ptrain.errors import InvalidRecord, LocalError
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """The outcome of a check, with the reason either way."""
+
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class ValidatorSignature(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    validator: bytes
+    signature: bytes
+
+
+class QuorumCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Signatures of validators over the attestation (experiment, height, head id)."""
+
+    experiment_id: str
+    height: int
+    head_id: str
+    signatures: tuple[ValidatorSignature, ...]
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("height", self.height, 1)
+        rules.check_hex_id("head_id", self.head_id)
+        rules.check_count("signatures", self.signatures, 1, MAX_VALIDATORS)
+        keys = [s.validator for s in self.signatures]
+        if keys != sorted(keys):
+            raise InvalidRecord("signatures", "must be ordered by validator key")
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+    def attestation_for(self, validator: bytes) -> Attestation:
+        """The attestation record a validator signs to be counted in this certificate."""
+        return Attestation(
+            experiment_id=self.experiment_id,
+            height=self.height,
+            head_id=self.head_id,
+            validator=validator,
+        )
+
+    def verify(self, manifest: ExperimentManifest) -> Verdict:
+        """Accept only >= q valid signatures by distinct validators of ``manifest``.
+
+        Every signature must be valid over this certificate's head id; one bad entry
+        rejects the whole certificate (an honest assembler never includes one).
+        """
+        if self.experiment_id != manifest.id:
+            return Verdict(False, "certificate is for another experiment")
+        allowed = set(manifest.validators)
+        seen: set[bytes] = set()
+        for entry in self.signatures:
+            who = peer_id_of(entry.validator)[:16]
+            if entry.validator in seen:
+                return Verdict(False, f"validator {who} signed twice")
+            seen.add(entry.validator)
+            if entry.validator not in allowed:
+                return Verdict(False, f"signer {who} is not a validator of the experiment")
+            message = signing_message("attestation", encode(self.attestation_for(entry.validator)))
+            if not verify_signature(entry.validator, message, entry.signature):
+                return Verdict(False, f"signature of validator {who} is not over this head")
+        if len(seen) < manifest.quorum:
+            return Verdict(False, f"{len(seen)} validator signatures, quorum is {manifest.quorum}")
+        return Verdict(True, f"{len(seen)} of {len(manifest.validators)} validators signed")
+
+    @classmethod
+    def assemble(cls, attestations: Iterable[Signed[Attestation]]) -> QuorumCertificate:
+        """Build a certificate from verified attestations of one head (one per validator)."""
+        by_validator: dict[bytes, Signed[Attestation]] = {}
+        for signed in attestations:
+            by_validator.setdefault(signed.record.validator, signed)
+        if not by_validator:
+            raise LocalError("cannot assemble a quorum certificate from no attestations")
+        targets = {
+            (s.record.experiment_id, s.record.height, s.record.head_id)
+            for s in by_validator.values()
+        }
+        if len(targets) != 1:
+            raise LocalError("attestations to assemble must all be for the same head")
+        experiment_id, height, head_id = targets.pop()
+        signatures = tuple(
+            ValidatorSignature(validator=key, signature=by_validator[key].envelope.signature)
+            for key in sorted(by_validator)
+        )
+        return cls(
+            experiment_id=experiment_id, height=height, head_id=head_id, signatures=signatures
+        )

@@ -1,0 +1,71 @@
+"""Experiment definitions written by people, in TOML, turned into an ExperimentManifest.
+
+The TOML mirrors the manifest: top-level keys for scalars and one table per component
+(``[workload]``, ``[dataset]`` with ``[[dataset.shards]]``, ``[inner_optimizer]``,
+``[outer_optimizer]``, ``[window]``, ``[codec]``, ``[aggregation]``, ``[screening]``).
+Validator keys are hex; their order in the file does not matter. The authority is the key
+that signs the manifest, so it is not written in the file. Any problem raises
+:class:`~p2ptrain.errors.LocalError` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from typing import Any
+
+import msgspec
+
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.errors import InvalidRecord, LocalError
+
+
+def _validator_keys(raw: object) -> list[bytes]:
+    if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
+        raise LocalError("validators: must be a list of hex Ed25519 public keys (64 hex chars)")
+    keys: list[bytes] = []
+    for i, text in enumerate(raw):
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise LocalError(f"validators[{i}]: {text!r:.80} is not hex") from None
+        if len(key) != 32:
+            raise LocalError(f"validators[{i}]: an Ed25519 public key is 32 bytes (64 hex chars)")
+        keys.append(key)
+    if len(set(keys)) != len(keys):
+        raise LocalError("validators: a validator key is listed twice")
+    return sorted(keys)
+
+
+def experiment_from_toml(text: str, authority: bytes) -> ExperimentManifest:
+    """Parse and validate an experiment definition; ``authority`` is the signer's key."""
+    try:
+        raw: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LocalError(f"the experiment file is not valid TOML: {exc}") from exc
+    if "authority" in raw:
+        raise LocalError(
+            "authority: leave it out; the key that signs the manifest is the authority"
+        )
+    raw["validators"] = _validator_keys(raw.get("validators"))
+    raw["authority"] = authority
+    try:
+        return msgspec.convert(raw, ExperimentManifest)
+    except InvalidRecord as exc:
+        raise LocalError(f"{exc.field}: {exc.problem}") from exc
+    except msgspec.ValidationError as exc:
+        raise LocalError(_describe(str(exc))) from exc
+
+
+def _describe(message: str) -> str:
+    """Name the bad field in msgspec's message, e.g. ``dataset.shards[0].samples: ...``."""
+    detail, _, path = message.partition(" - at `$")
+    where = path.rstrip("`").lstrip(".")
+    named, sep, problem = detail.partition(": ")
+    base = re.sub(r"\[\d+\]", "", where)
+    if sep and " " not in named and named.startswith(base):
+        # A record's own check already names the field; add the list index msgspec knows.
+        return f"{where}{named[len(base) :]}: {problem}" if where else detail
+    if detail.startswith("Object contains unknown field"):
+        detail += " (check its spelling against docs/protocol.md)"
+    return f"{where or '(top level)'}: {detail}"

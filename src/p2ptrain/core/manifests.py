@@ -1,0 +1,294 @@
+"""Network and experiment manifests (DESIGN §3).
+
+A manifest is immutable once signed: its id (the SHA-256 of its canonical encoding) names it.
+Each Struct validates itself on construction and on decode; a bad field raises
+:class:`~p2ptrain.errors.InvalidRecord` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgspec
+
+from p2ptrain.core import field_rules as rules
+from p2ptrain.core.encoding import record_id
+from p2ptrain.errors import InvalidRecord
+
+PROTOCOL_VERSION = 1
+
+ADMISSION_POLICIES = ("open", "certificate")
+TRAINING_PROTOCOLS = ("diloco", "fedavg")
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
+UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk", "lowrank")
+AGGREGATION_RULES = (
+    "mean",
+    "trimmed_mean",
+    "median",
+    "krum",
+    "centered_clip",
+    "geometric_median",
+)
+
+MAX_CONFIG_ENTRIES = 64
+MAX_VALIDATORS = 256
+MAX_SHARDS = 100_000
+
+ConfigValue = str | int | float | bool
+Config = dict[str, ConfigValue]
+
+_SECRET_CHECK_LABEL = b"p2ptrain/v1/network-secret-check"
+
+
+def check_config(field: str, config: Config) -> None:
+    """Free-form component settings: bounded, named keys, finite numbers, short strings."""
+    if len(config) > MAX_CONFIG_ENTRIES:
+        raise InvalidRecord(field, f"has {len(config)} entries; the limit is {MAX_CONFIG_ENTRIES}")
+    for key, value in config.items():
+        rules.check_name(f"{field}.{key}", key)
+        if isinstance(value, float):
+            rules.check_float(f"{field}.{key}", value, -1e300, 1e300)
+        elif isinstance(value, str):
+            rules.check_text(f"{field}.{key}", value, 256)
+
+
+def secret_check(secret: bytes) -> bytes:
+    """What a manifest publishes about its network secret: an HMAC that never reveals it."""
+    return hmac.new(secret, _SECRET_CHECK_LABEL, hashlib.sha256).digest()
+
+
+class NetworkManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One p2ptrain network: who may join and where to start. Signed by ``authority``."""
+
+    name: str
+    authority: bytes
+    protocol_version: int = PROTOCOL_VERSION
+    bootstrap: tuple[str, ...] = ()
+    admission: str = "open"
+    issuer_keys: tuple[bytes, ...] = ()
+    #: ``secret_check(secret)`` for a private network, else None. The secret itself travels
+    #: out of band; peers prove they know it by challenge-response, never in clear.
+    secret_check: bytes | None = None
+
+    def __post_init__(self) -> None:
+        rules.check_name("name", self.name)
+        rules.check_public_key("authority", self.authority)
+        rules.check_int("protocol_version", self.protocol_version, 1, PROTOCOL_VERSION)
+        rules.check_count("bootstrap", self.bootstrap, 0, 64)
+        for i, address in enumerate(self.bootstrap):
+            rules.check_address(f"bootstrap[{i}]", address)
+        rules.check_choice("admission", self.admission, ADMISSION_POLICIES)
+        rules.check_count("issuer_keys", self.issuer_keys, 0, 64)
+        rules.check_sorted_unique("issuer_keys", self.issuer_keys)
+        for i, key in enumerate(self.issuer_keys):
+            rules.check_public_key(f"issuer_keys[{i}]", key)
+        if self.admission == "certificate" and not self.issuer_keys:
+            raise InvalidRecord("issuer_keys", "a 'certificate' network needs at least one issuer")
+        if self.admission == "open" and self.issuer_keys:
+            raise InvalidRecord("issuer_keys", "an 'open' network takes no issuer keys")
+        if self.secret_check is not None and len(self.secret_check) != 32:
+            raise InvalidRecord("secret_check", "must be 32 bytes (see secret_check())")
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+    def accepts_secret(self, secret: bytes) -> bool:
+        """True when ``secret`` is this private network's secret."""
+        return self.secret_check is not None and hmac.compare_digest(
+            self.secret_check, secret_check(secret)
+        )
+
+
+class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What is trained: a registered workload name, its settings and the model schema hash."""
+
+    name: str
+    schema_hash: str
+    config: Config = {}
+
+    def __post_init__(self) -> None:
+        rules.check_name("workload.name", self.name)
+        rules.check_hex_id("workload.schema_hash", self.schema_hash)
+        check_config("workload.config", self.config)
+
+
+class ShardInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One data shard: a name, the blob holding its bytes and its sample count."""
+
+    name: str
+    blob_id: str
+    samples: int
+
+    def __post_init__(self) -> None:
+        rules.check_name("dataset.shards.name", self.name)
+        rules.check_hex_id("dataset.shards.blob_id", self.blob_id)
+        rules.check_int("dataset.shards.samples", self.samples, 1)
+
+
+class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    shards: tuple[ShardInfo, ...]
+
+    def __post_init__(self) -> None:
+        rules.check_name("dataset.name", self.name)
+        rules.check_count("dataset.shards", self.shards, 1, MAX_SHARDS)
+        rules.check_sorted_unique("dataset.shards", [s.name for s in self.shards])
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+
+class InnerOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The trainer-local optimizer (its state stays on the trainer across windows)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    config: Config = {}
+
+    def __post_init__(self) -> None:
+        rules.check_choice("inner_optimizer.name", self.name, INNER_OPTIMIZERS)
+        rules.check_float("inner_optimizer.lr", self.lr, 0.0, 10.0)
+        check_config("inner_optimizer.config", self.config)
+
+
+class OuterOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The outer step applied to the aggregate pseudo-gradient (DiLoCo: Nesterov 0.7/0.9)."""
+
+    name: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        rules.check_choice("outer_optimizer.name", self.name, OUTER_OPTIMIZERS)
+        rules.check_float("outer_optimizer.lr", self.lr, 0.0, 10.0)
+        rules.check_float("outer_optimizer.momentum", self.momentum, 0.0, 0.999)
+        if self.name == "sgd" and self.momentum != 0.0:
+            raise InvalidRecord("outer_optimizer.momentum", "plain 'sgd' takes momentum 0")
+
+
+class WindowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How long a window waits for updates and how many it takes."""
+
+    deadline_s: float = 60.0
+    min_updates: int = 1
+    max_updates: int = 1000
+
+    def __post_init__(self) -> None:
+        rules.check_float("window.deadline_s", self.deadline_s, 0.01, 86400.0)
+        rules.check_int("window.min_updates", self.min_updates, 1, 1_000_000)
+        rules.check_int("window.max_updates", self.max_updates, self.min_updates, 1_000_000)
+
+
+class CodecSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How trainers encode pseudo-gradients."""
+
+    name: str = "int8"
+    config: Config = {}
+
+    def __post_init__(self) -> None:
+        rules.check_choice("codec.name", self.name, UPDATE_CODECS)
+        check_config("codec.config", self.config)
+
+
+class AggregationSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The robust aggregation rule and its parameters."""
+
+    rule: str = "trimmed_mean"
+    config: Config = {}
+
+    def __post_init__(self) -> None:
+        rules.check_choice("aggregation.rule", self.rule, AGGREGATION_RULES)
+        check_config("aggregation.config", self.config)
+
+
+class ScreeningSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Thresholds for screening updates from their tensors, and quarantine policy."""
+
+    max_norm_ratio: float = 3.0
+    min_cosine: float = -0.5
+    quarantine_after: int = 3
+    quarantine_windows: int = 5
+
+    def __post_init__(self) -> None:
+        rules.check_float("screening.max_norm_ratio", self.max_norm_ratio, 1.0, 1e6)
+        rules.check_float("screening.min_cosine", self.min_cosine, -1.0, 1.0)
+        rules.check_int("screening.quarantine_after", self.quarantine_after, 1, 1000)
+        rules.check_int("screening.quarantine_windows", self.quarantine_windows, 1, 1_000_000)
+
+
+class ExperimentManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The immutable definition of one training run (a revision). Signed by ``authority``."""
+
+    network_id: str
+    study: str
+    name: str
+    revision: int = 1
+    parent: str | None = None
+    start_head: str | None = None
+    authority: bytes
+    workload: WorkloadSpec
+    dataset: DatasetManifest
+    protocol: str = "diloco"
+    inner_optimizer: InnerOptimizerSpec = InnerOptimizerSpec()
+    inner_steps: int = 50
+    outer_optimizer: OuterOptimizerSpec = OuterOptimizerSpec()
+    window: WindowSpec = WindowSpec()
+    codec: CodecSpec = CodecSpec()
+    aggregation: AggregationSpec = AggregationSpec()
+    screening: ScreeningSpec = ScreeningSpec()
+    validators: tuple[bytes, ...]
+    quorum: int
+    lease_size: int
+    genesis_weights: str
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("network_id", self.network_id)
+        rules.check_name("study", self.study)
+        rules.check_name("name", self.name)
+        rules.check_int("revision", self.revision, 1)
+        rules.check_optional_hex_id("parent", self.parent)
+        rules.check_optional_hex_id("start_head", self.start_head)
+        if (self.parent is None) != (self.start_head is None):
+            raise InvalidRecord("start_head", "a revision names both its parent and start head")
+        if self.revision == 1 and self.parent is not None:
+            raise InvalidRecord("parent", "revision 1 has no parent; later revisions need one")
+        rules.check_public_key("authority", self.authority)
+        rules.check_choice("protocol", self.protocol, TRAINING_PROTOCOLS)
+        if self.protocol == "fedavg" and (
+            self.outer_optimizer.name != "sgd" or self.outer_optimizer.lr != 1.0
+        ):
+            raise InvalidRecord(
+                "outer_optimizer", "protocol 'fedavg' means outer 'sgd' with lr 1.0, momentum 0"
+            )
+        rules.check_int("inner_steps", self.inner_steps, 1, 1_000_000)
+        self._check_validators()
+        rules.check_int("lease_size", self.lease_size, 1, self.dataset.total_samples)
+        rules.check_hex_id("genesis_weights", self.genesis_weights)
+
+    def _check_validators(self) -> None:
+        rules.check_count("validators", self.validators, 1, MAX_VALIDATORS)
+        rules.check_sorted_unique("validators", self.validators)
+        for i, key in enumerate(self.validators):
+            rules.check_public_key(f"validators[{i}]", key)
+        rules.check_int("quorum", self.quorum, 1, len(self.validators))
+
+    @property
+    def id(self) -> str:
+        """The experiment id: SHA-256 of the canonical encoding."""
+        return record_id(self)
+
+    @property
+    def has_majority_quorum(self) -> bool:
+        """True when any two quorums share a validator (q > n/2): certifying two heads at
+        one height then needs at least one validator to sign both (to equivocate)."""
+        return 2 * self.quorum > len(self.validators)
+
+    @property
+    def tolerated_equivocators(self) -> int:
+        """How many equivocating validators the quorum survives: two quorums overlap in
+        2q - n validators, and safety needs an honest one in every overlap."""
+        return max(0, 2 * self.quorum - len(self.validators) - 1)

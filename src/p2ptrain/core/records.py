@@ -1,0 +1,208 @@
+"""Protocol records (DESIGN §3): peers, updates, proposals, heads, attestations.
+
+Every record is a frozen msgspec Struct that validates itself on construction and on decode.
+Sequences that are sets (accepted update ids, roles, ...) are stored sorted, so one set has
+one encoding and one id.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from p2ptrain.core import field_rules as rules
+from p2ptrain.core.encoding import record_id
+from p2ptrain.core.identity import peer_id_of
+from p2ptrain.errors import InvalidRecord
+
+ROLES = ("reducer", "seed", "trainer", "validator", "viewer")
+REACHABILITY = ("public", "relayed", "outbound")
+
+MAX_ADDRESSES = 16
+MAX_UPDATES_PER_WINDOW = 1_000_000
+MAX_LEASE_SHARDS = 4096
+MAX_QUARANTINE_ENTRIES = 100_000
+
+
+class PeerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to reach a peer and what it does. Signed by the peer; a higher ``seq`` replaces."""
+
+    network_id: str
+    public_key: bytes
+    seq: int
+    roles: tuple[str, ...]
+    reachability: str
+    addresses: tuple[str, ...] = ()
+    relay: str | None = None
+    tls_fingerprint: str | None = None
+    issued_at_ms: int = 0
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("network_id", self.network_id)
+        rules.check_public_key("public_key", self.public_key)
+        rules.check_int("seq", self.seq, 0)
+        rules.check_count("roles", self.roles, 1, len(ROLES))
+        rules.check_sorted_unique("roles", self.roles)
+        for role in self.roles:
+            rules.check_choice("roles", role, ROLES)
+        rules.check_choice("reachability", self.reachability, REACHABILITY)
+        rules.check_count("addresses", self.addresses, 0, MAX_ADDRESSES)
+        for i, address in enumerate(self.addresses):
+            rules.check_address(f"addresses[{i}]", address)
+        if self.reachability == "public" and not self.addresses:
+            raise InvalidRecord("addresses", "a 'public' peer must list at least one address")
+        if (self.reachability == "relayed") != (self.relay is not None):
+            raise InvalidRecord("relay", "a relay address is given exactly when 'relayed'")
+        if self.relay is not None:
+            rules.check_address("relay", self.relay)
+        rules.check_optional_hex_id("tls_fingerprint", self.tls_fingerprint)
+        rules.check_int("issued_at_ms", self.issued_at_ms, 0)
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.public_key)
+
+
+class Update(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A trainer's pseudo-gradient for one window, by reference to its blob."""
+
+    experiment_id: str
+    window: int
+    base_head: str
+    trainer: bytes
+    lease_shards: tuple[str, ...]
+    lease_samples: int
+    delta_blob: str
+    delta_bytes: int
+    codec: str
+    loss_before: float
+    loss_after: float
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("window", self.window, 1)
+        rules.check_hex_id("base_head", self.base_head)
+        rules.check_public_key("trainer", self.trainer)
+        rules.check_count("lease_shards", self.lease_shards, 1, MAX_LEASE_SHARDS)
+        rules.check_sorted_unique("lease_shards", self.lease_shards)
+        for shard in self.lease_shards:
+            rules.check_name("lease_shards", shard)
+        rules.check_int("lease_samples", self.lease_samples, 1)
+        rules.check_hex_id("delta_blob", self.delta_blob)
+        rules.check_int("delta_bytes", self.delta_bytes, 1)
+        rules.check_name("codec", self.codec)
+        rules.check_float("loss_before", self.loss_before, -1e30, 1e30)
+        rules.check_float("loss_after", self.loss_after, -1e30, 1e30)
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+    @property
+    def trainer_id(self) -> str:
+        return peer_id_of(self.trainer)
+
+
+class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A trainer excluded from windows up to and including ``until_window``."""
+
+    peer_id: str
+    until_window: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("quarantine.peer_id", self.peer_id)
+        rules.check_int("quarantine.until_window", self.until_window, 1)
+        rules.check_text("quarantine.reason", self.reason, 256)
+
+
+class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One point of the model's history. Its id binds parent, updates and weights."""
+
+    experiment_id: str
+    height: int
+    parent: str | None
+    weights_blob: str
+    optimizer_blob: str | None
+    accepted: tuple[str, ...] = ()
+    quarantine: tuple[QuarantineEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("height", self.height, 0)
+        rules.check_optional_hex_id("parent", self.parent)
+        if (self.height == 0) != (self.parent is None):
+            raise InvalidRecord("parent", "only the genesis head (height 0) has no parent")
+        rules.check_hex_id("weights_blob", self.weights_blob)
+        rules.check_optional_hex_id("optimizer_blob", self.optimizer_blob)
+        rules.check_count("accepted", self.accepted, 0, MAX_UPDATES_PER_WINDOW)
+        if self.height == 0 and self.accepted:
+            raise InvalidRecord("accepted", "the genesis head accepts no updates")
+        rules.check_sorted_unique("accepted", self.accepted)
+        for update_id in self.accepted:
+            rules.check_hex_id("accepted", update_id)
+        rules.check_count("quarantine", self.quarantine, 0, MAX_QUARANTINE_ENTRIES)
+        rules.check_sorted_unique("quarantine", [q.peer_id for q in self.quarantine])
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+
+class Rejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An update left out of a proposal, and why."""
+
+    update_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("rejected.update_id", self.update_id)
+        rules.check_text("rejected.reason", self.reason, 256)
+
+
+class Proposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A reducer's (or falling-back validator's) candidate next head for a window."""
+
+    experiment_id: str
+    window: int
+    base_head: str
+    reducer: bytes
+    accepted: tuple[str, ...]
+    rejected: tuple[Rejection, ...]
+    aggregate_blob: str
+    head: Head
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("window", self.window, 1)
+        rules.check_hex_id("base_head", self.base_head)
+        rules.check_public_key("reducer", self.reducer)
+        rules.check_sorted_unique("rejected", [r.update_id for r in self.rejected])
+        if set(self.accepted) & {r.update_id for r in self.rejected}:
+            raise InvalidRecord("rejected", "an update cannot be both accepted and rejected")
+        rules.check_hex_id("aggregate_blob", self.aggregate_blob)
+        head = self.head
+        if head.experiment_id != self.experiment_id:
+            raise InvalidRecord("head.experiment_id", "differs from the proposal's experiment")
+        if head.height != self.window or head.parent != self.base_head:
+            raise InvalidRecord("head", "must have height = window and parent = base_head")
+        if head.accepted != self.accepted:
+            raise InvalidRecord("head.accepted", "must equal the proposal's accepted updates")
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+
+class Attestation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A validator's statement that it computed exactly this head for this height."""
+
+    experiment_id: str
+    height: int
+    head_id: str
+    validator: bytes
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("height", self.height, 1)
+        rules.check_hex_id("head_id", self.head_id)
+        rules.check_public_key("validator", self.validator)

@@ -1,0 +1,248 @@
+"""Hypothesis strategies producing valid p2ptrain records."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import strategies as st
+
+from p2ptrain.core.certificate import QuorumCertificate, ValidatorSignature
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import (
+    AGGREGATION_RULES,
+    INNER_OPTIMIZERS,
+    UPDATE_CODECS,
+    AggregationSpec,
+    CodecSpec,
+    DatasetManifest,
+    ExperimentManifest,
+    InnerOptimizerSpec,
+    NetworkManifest,
+    OuterOptimizerSpec,
+    ScreeningSpec,
+    ShardInfo,
+    WindowSpec,
+    WorkloadSpec,
+)
+from p2ptrain.core.records import (
+    REACHABILITY,
+    ROLES,
+    Attestation,
+    Head,
+    PeerRecord,
+    Proposal,
+    QuarantineEntry,
+    Rejection,
+    Update,
+)
+
+hex_ids = st.binary(min_size=0, max_size=16).map(lambda b: hashlib.sha256(b).hexdigest())
+keys = st.binary(min_size=32, max_size=32)
+names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,30}", fullmatch=True)
+texts = st.text(
+    st.characters(codec="utf-8", categories=["L", "N", "P"], include_characters=" "), max_size=60
+)
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
+addresses = st.builds(
+    "{}://{}:{}".format,
+    st.sampled_from(["http", "https"]),
+    st.from_regex(r"[a-z0-9][a-z0-9.\-]{0,20}", fullmatch=True),
+    st.integers(1, 65535),
+)
+config_values = st.one_of(st.booleans(), st.integers(-(2**40), 2**40), finite, texts)
+configs = st.dictionaries(names, config_values, max_size=4)
+identities = st.binary(min_size=32, max_size=32).map(Identity.from_seed)
+
+
+def sorted_unique(elements: st.SearchStrategy[str], max_size: int = 5, min_size: int = 0):  # type: ignore[no-untyped-def]
+    return st.lists(elements, min_size=min_size, max_size=max_size, unique=True).map(
+        lambda xs: tuple(sorted(xs))
+    )
+
+
+@st.composite
+def network_manifests(draw: st.DrawFn, authority: bytes | None = None) -> NetworkManifest:
+    admission = draw(st.sampled_from(["open", "certificate"]))
+    issuers = (
+        draw(st.lists(keys, min_size=1, max_size=3, unique=True)) if admission != "open" else []
+    )
+    return NetworkManifest(
+        name=draw(names),
+        authority=authority if authority is not None else draw(keys),
+        bootstrap=tuple(draw(st.lists(addresses, max_size=3))),
+        admission=admission,
+        issuer_keys=tuple(sorted(issuers)),
+        secret_check=draw(st.none() | st.binary(min_size=32, max_size=32)),
+    )
+
+
+@st.composite
+def experiment_manifests(draw: st.DrawFn, authority: bytes | None = None) -> ExperimentManifest:
+    shards = draw(sorted_unique(names, min_size=1, max_size=4))
+    dataset = DatasetManifest(
+        name=draw(names),
+        shards=tuple(
+            ShardInfo(name=n, blob_id=draw(hex_ids), samples=draw(st.integers(1, 10_000)))
+            for n in shards
+        ),
+    )
+    validators = tuple(sorted(draw(st.lists(keys, min_size=1, max_size=7, unique=True))))
+    min_updates = draw(st.integers(1, 50))
+    revision = draw(st.integers(1, 5))
+    parent = draw(hex_ids) if revision > 1 and draw(st.booleans()) else None
+    fedavg = draw(st.booleans())
+    outer = (
+        OuterOptimizerSpec(name="sgd", lr=1.0, momentum=0.0)
+        if fedavg
+        else OuterOptimizerSpec(
+            name="nesterov",
+            lr=draw(st.floats(0.01, 2.0)),
+            momentum=draw(st.floats(0.0, 0.99)),
+        )
+    )
+    return ExperimentManifest(
+        network_id=draw(hex_ids),
+        study=draw(names),
+        name=draw(names),
+        revision=revision,
+        parent=parent,
+        start_head=draw(hex_ids) if parent else None,
+        authority=authority if authority is not None else draw(keys),
+        workload=WorkloadSpec(name=draw(names), schema_hash=draw(hex_ids), config=draw(configs)),
+        dataset=dataset,
+        protocol="fedavg" if fedavg else "diloco",
+        inner_optimizer=InnerOptimizerSpec(
+            name=draw(st.sampled_from(INNER_OPTIMIZERS)),
+            lr=draw(st.floats(1e-6, 1.0)),
+            config=draw(configs),
+        ),
+        inner_steps=draw(st.integers(1, 1000)),
+        outer_optimizer=outer,
+        window=WindowSpec(
+            deadline_s=draw(st.floats(0.5, 3600)),
+            min_updates=min_updates,
+            max_updates=draw(st.integers(min_updates, 5000)),
+        ),
+        codec=CodecSpec(name=draw(st.sampled_from(UPDATE_CODECS)), config=draw(configs)),
+        aggregation=AggregationSpec(
+            rule=draw(st.sampled_from(AGGREGATION_RULES)), config=draw(configs)
+        ),
+        screening=ScreeningSpec(
+            max_norm_ratio=draw(st.floats(1.0, 100.0)),
+            min_cosine=draw(st.floats(-1.0, 1.0)),
+            quarantine_after=draw(st.integers(1, 10)),
+            quarantine_windows=draw(st.integers(1, 100)),
+        ),
+        validators=validators,
+        quorum=draw(st.integers(1, len(validators))),
+        lease_size=draw(st.integers(1, dataset.total_samples)),
+        genesis_weights=draw(hex_ids),
+    )
+
+
+@st.composite
+def peer_records(draw: st.DrawFn, public_key: bytes | None = None) -> PeerRecord:
+    reachability = draw(st.sampled_from(REACHABILITY))
+    return PeerRecord(
+        network_id=draw(hex_ids),
+        public_key=public_key if public_key is not None else draw(keys),
+        seq=draw(st.integers(0, 2**40)),
+        roles=draw(sorted_unique(st.sampled_from(ROLES), min_size=1)),
+        reachability=reachability,
+        addresses=tuple(
+            draw(st.lists(addresses, min_size=1 if reachability == "public" else 0, max_size=3))
+        ),
+        relay=draw(addresses) if reachability == "relayed" else None,
+        tls_fingerprint=draw(st.none() | hex_ids),
+        issued_at_ms=draw(st.integers(0, 2**45)),
+    )
+
+
+@st.composite
+def updates(draw: st.DrawFn, trainer: bytes | None = None) -> Update:
+    return Update(
+        experiment_id=draw(hex_ids),
+        window=draw(st.integers(1, 2**31)),
+        base_head=draw(hex_ids),
+        trainer=trainer if trainer is not None else draw(keys),
+        lease_shards=draw(sorted_unique(names, min_size=1)),
+        lease_samples=draw(st.integers(1, 10**6)),
+        delta_blob=draw(hex_ids),
+        delta_bytes=draw(st.integers(1, 2**34)),
+        codec=draw(st.sampled_from(UPDATE_CODECS)),
+        loss_before=draw(finite),
+        loss_after=draw(finite),
+    )
+
+
+@st.composite
+def heads(draw: st.DrawFn, experiment_id: str | None = None, height: int | None = None) -> Head:
+    h = height if height is not None else draw(st.integers(0, 10_000))
+    quarantined = draw(sorted_unique(hex_ids, max_size=3))
+    return Head(
+        experiment_id=experiment_id or draw(hex_ids),
+        height=h,
+        parent=None if h == 0 else draw(hex_ids),
+        weights_blob=draw(hex_ids),
+        optimizer_blob=draw(st.none() | hex_ids),
+        accepted=() if h == 0 else draw(sorted_unique(hex_ids, max_size=6)),
+        quarantine=tuple(
+            QuarantineEntry(peer_id=p, until_window=draw(st.integers(1, 10**6)), reason=draw(texts))
+            for p in quarantined
+        ),
+    )
+
+
+@st.composite
+def proposals(draw: st.DrawFn, reducer: bytes | None = None) -> Proposal:
+    head = draw(heads(height=draw(st.integers(1, 10_000))))
+    rejected_ids = draw(sorted_unique(hex_ids, max_size=4))
+    rejected = tuple(
+        Rejection(update_id=u, reason=draw(texts)) for u in rejected_ids if u not in head.accepted
+    )
+    assert head.parent is not None
+    return Proposal(
+        experiment_id=head.experiment_id,
+        window=head.height,
+        base_head=head.parent,
+        reducer=reducer if reducer is not None else draw(keys),
+        accepted=head.accepted,
+        rejected=rejected,
+        aggregate_blob=draw(hex_ids),
+        head=head,
+    )
+
+
+@st.composite
+def attestations(draw: st.DrawFn, validator: bytes | None = None) -> Attestation:
+    return Attestation(
+        experiment_id=draw(hex_ids),
+        height=draw(st.integers(1, 2**40)),
+        head_id=draw(hex_ids),
+        validator=validator if validator is not None else draw(keys),
+    )
+
+
+@st.composite
+def certificates(draw: st.DrawFn) -> QuorumCertificate:
+    signers = sorted(draw(st.lists(keys, min_size=1, max_size=5)))
+    return QuorumCertificate(
+        experiment_id=draw(hex_ids),
+        height=draw(st.integers(1, 2**40)),
+        head_id=draw(hex_ids),
+        signatures=tuple(
+            ValidatorSignature(validator=k, signature=draw(st.binary(min_size=64, max_size=64)))
+            for k in signers
+        ),
+    )
+
+
+#: Each signed kind with a strategy that takes the author key.
+AUTHORED = {
+    "network": network_manifests,
+    "experiment": experiment_manifests,
+    "peer": peer_records,
+    "update": updates,
+    "proposal": proposals,
+    "attestation": attestations,
+}
