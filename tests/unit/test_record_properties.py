@@ -4,7 +4,6 @@ ProtocolViolation. Each runs at least 1000 examples."""
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import pytest

@@ -24,6 +24,7 @@ class DataDir:
 
     def close(self) -> None:
         self.state.close()
+        self.blobs.close()
 
     def __enter__(self) -> DataDir:
         return self

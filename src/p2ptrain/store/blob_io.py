@@ -1,0 +1,103 @@
+"""Low-level file I/O for the blob store: durable writes and hash-while-reading.
+
+SHA-256 runs at about the speed of a page-cache copy, so for large blobs the hash is computed
+on a second thread while this one writes or reads (hashlib and file I/O release the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+#: Below this size a second thread costs more than it saves.
+PARALLEL_MIN_BYTES = 1 << 20
+#: Reads hand the hashing thread one chunk at a time.
+READ_CHUNK_BYTES = 8 << 20
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    written = 0
+    while written < view.nbytes:
+        written += os.write(fd, view[written:])
+
+
+def write_and_sync(fd: int, view: memoryview) -> None:
+    write_all(fd, view)
+    os.fsync(fd)
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems cannot fsync a directory
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def hash_while(view: memoryview, work: Callable[[], None]) -> str:
+    """Run ``work`` on this thread while a second thread hashes ``view``; return the hash."""
+    result: list[str] = []
+    hasher = threading.Thread(
+        target=lambda: result.append(hashlib.sha256(view).hexdigest()),
+        name="blob-hash",
+        daemon=True,
+    )
+    hasher.start()
+    try:
+        work()
+    finally:
+        hasher.join()
+    return result[0]
+
+
+def read_and_hash(fd: int, size: int) -> tuple[bytearray, str | None]:
+    """Read ``size`` bytes from ``fd`` into a new buffer; return it and the SHA-256 hex of
+    exactly those bytes (None if the file was shorter than ``size``).
+
+    For large reads a second thread hashes each chunk as soon as it lands. ``bytearray(n)``
+    comes from calloc, which maps fresh zero pages for large sizes, so the buffer costs no
+    extra pass over memory.
+    """
+    data = bytearray(size)
+    view = memoryview(data)
+    hasher = hashlib.sha256()
+    filled: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def hash_as_filled() -> None:
+        start = 0
+        while (end := filled.get()) > start:
+            hasher.update(view[start:end])
+            start = end
+
+    parallel = size >= PARALLEL_MIN_BYTES
+    thread = threading.Thread(target=hash_as_filled, name="blob-verify", daemon=True)
+    if parallel:
+        thread.start()
+    position = 0
+    try:
+        while position < size:
+            count = os.readv(fd, [view[position : position + READ_CHUNK_BYTES]])
+            if count == 0:
+                break
+            position += count
+            if parallel:
+                filled.put(position)
+    finally:
+        if parallel:
+            filled.put(-1)
+            thread.join()
+    if position != size:
+        view.release()
+        return bytearray(), None
+    if not parallel:
+        hasher.update(view)
+    view.release()
+    return data, hasher.hexdigest()
