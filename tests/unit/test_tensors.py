@@ -649,10 +649,10 @@ def test_benchmark_reports_every_figure(tmp_path: Any) -> None:
     assert set(figures) >= {
         "safetensors_encode_ratio",
         "safetensors_decode_ratio",
-        "encode_mb_s",
-        "decode_mb_s",
-        "plain_write_mb_s",
-        "plain_read_mb_s",
+        "safetensors_encode_mb_s",
+        "safetensors_decode_mb_s",
+        "safetensors_plain_write_mb_s",
+        "safetensors_plain_read_mb_s",
     }
     assert all(value > 0 and math.isfinite(value) for value in figures.values())
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself

@@ -39,10 +39,10 @@ def measure_blob_store(
     mb = size_bytes / _MB
     result = {
         "blob_put_mb_s": mb / best["put"],
-        "plain_write_mb_s": mb / best["plain_write"],
-        "unsynced_write_mb_s": mb / best["unsynced_write"],
+        "blob_plain_write_mb_s": mb / best["plain_write"],
+        "blob_unsynced_write_mb_s": mb / best["unsynced_write"],
         "blob_get_mb_s": mb / best["get"],
-        "plain_read_mb_s": mb / best["plain_read"],
+        "blob_plain_read_mb_s": mb / best["plain_read"],
     }
     result["blob_put_ratio"] = best["plain_write"] / best["put"]
     result["blob_put_ratio_vs_unsynced_write"] = best["unsynced_write"] / best["put"]

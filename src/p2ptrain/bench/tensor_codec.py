@@ -99,8 +99,9 @@ def measure_tensor_codec(
 
     Returns ``safetensors_encode_ratio`` (encode MB/s over plain write+fsync MB/s),
     ``safetensors_decode_ratio`` (decode MB/s over page-cache read MB/s), the raw figures
-    ``encode_mb_s``, ``decode_mb_s``, ``plain_write_mb_s``, ``plain_read_mb_s`` (MB = 10^6
-    bytes), and ``blob_bytes`` and ``tensor_count``. The file goes to ``workdir`` (default:
+    ``safetensors_encode_mb_s``, ``safetensors_decode_mb_s``,
+    ``safetensors_plain_write_mb_s``, ``safetensors_plain_read_mb_s`` (MB = 10^6
+    bytes), and ``safetensors_bytes`` and ``safetensors_tensor_count``. The file goes to ``workdir`` (default:
     a temporary directory), which should be on the disk that will hold the blob store.
     Needs memory for about ``3 * repeats + 2`` copies of the blob (see the module docstring).
     """
@@ -127,10 +128,10 @@ def measure_tensor_codec(
     return {
         "safetensors_encode_ratio": write_s / encode_s,
         "safetensors_decode_ratio": read_s / decode_s,
-        "encode_mb_s": megabytes / encode_s,
-        "decode_mb_s": megabytes / decode_s,
-        "plain_write_mb_s": megabytes / write_s,
-        "plain_read_mb_s": megabytes / read_s,
-        "blob_bytes": float(len(blob)),
-        "tensor_count": float(len(state)),
+        "safetensors_encode_mb_s": megabytes / encode_s,
+        "safetensors_decode_mb_s": megabytes / decode_s,
+        "safetensors_plain_write_mb_s": megabytes / write_s,
+        "safetensors_plain_read_mb_s": megabytes / read_s,
+        "safetensors_bytes": float(len(blob)),
+        "safetensors_tensor_count": float(len(state)),
     }
