@@ -100,9 +100,9 @@ def measure_tensor_codec(
     Returns ``safetensors_encode_ratio`` (encode MB/s over plain write+fsync MB/s),
     ``safetensors_decode_ratio`` (decode MB/s over page-cache read MB/s), the raw figures
     ``safetensors_encode_mb_s``, ``safetensors_decode_mb_s``,
-    ``safetensors_plain_write_mb_s``, ``safetensors_plain_read_mb_s`` (MB = 10^6
-    bytes), and ``safetensors_bytes`` and ``safetensors_tensor_count``. The file goes to ``workdir`` (default:
-    a temporary directory), which should be on the disk that will hold the blob store.
+    ``safetensors_plain_write_mb_s``, ``safetensors_plain_read_mb_s`` (MB = 10^6 bytes),
+    and ``safetensors_bytes`` and ``safetensors_tensor_count``. The file goes to ``workdir``
+    (default: a temporary directory), which should be on the disk that will hold the blob store.
     Needs memory for about ``3 * repeats + 2`` copies of the blob (see the module docstring).
     """
     if repeats < 1:
