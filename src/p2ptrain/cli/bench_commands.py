@@ -18,7 +18,7 @@ def add_parsers(commands: Any) -> None:
         "ratio to plain file write (+fsync) / read of the same bytes in the same run.",
     )
     store.add_argument("--size-mb", type=int, default=100, help="payload size (default 100)")
-    store.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
+    store.add_argument("--repeats", type=int, default=5, help="best of N (default 5)")
     store.add_argument("--workdir", help="directory for temporary files (default: system temp)")
     store.add_argument("--json", action="store_true", help="print one JSON object")
     store.set_defaults(handler=run_store)
