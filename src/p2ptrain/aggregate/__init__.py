@@ -1,0 +1,5 @@
+"""Aggregation math: robust rules, outer optimizers, update codecs and screening.
+
+Pure torch on the CPU, no I/O. Everything that enters a signed id is bit-exact: the same
+inputs give the same bytes on any machine, thread count or input order (see ``exact``).
+"""
