@@ -6,6 +6,7 @@ diagnostic, and a cohort too small for a rule yields a result with no aggregate 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,7 +87,7 @@ class AggregationRule(Protocol):
 def in_canonical_order(contributions: Sequence[Contribution]) -> list[Contribution]:
     """Contributions sorted by update id; a repeated id is our misuse."""
     ordered = sorted(contributions, key=lambda c: c.update_id)
-    for earlier, later in zip(ordered, ordered[1:], strict=False):
+    for earlier, later in itertools.pairwise(ordered):
         if earlier.update_id == later.update_id:
             raise LocalError(f"update {earlier.update_id[:16]} appears twice in one cohort")
     lengths = {c.vector.numel() for c in ordered}
