@@ -9,7 +9,8 @@ may depend on thread count, SIMD width or input order:
   Multiply and add are always separate calls -- never ``addcmul``/``add(alpha=...)``, which
   may be fused into one FMA rounding on some machines.
 * **Reductions that feed a decision** (norms, dot products, distances) are accumulated in
-  float64 by :func:`tree_sum`: a pairwise tree whose shape depends only on the length,
+  float64 by :func:`tree_sum` (a difference is rounded once to float32, then squared
+  exactly in float64): a pairwise tree whose shape depends only on the length,
   built from elementwise adds. torch's own ``sum`` splits work by thread count and vector
   width, so its last bits can differ between machines; it is never used for a decision.
   A float32 x float32 product is exact in float64, so dot products only round in the sum.
@@ -18,6 +19,7 @@ may depend on thread count, SIMD width or input order:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -101,19 +103,20 @@ def sqnorm64(a: torch.Tensor) -> float:
 
 
 def sqdist64(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Reproducible squared L2 distance; the difference is taken in float64."""
+    """Reproducible squared L2 distance of two float32 vectors: each difference is rounded
+    to float32 (one correctly rounded operation, so the same everywhere), squared exactly in
+    float64, and summed in the fixed tree order. Symmetric: ``fl(a - b) = -fl(b - a)``."""
     _same_length(a, b)
 
     def fill(start: int, end: int, out: torch.Tensor) -> None:
-        out.copy_(a[start:end])
-        out.sub_(b[start:end])
+        torch.sub(a[start:end], b[start:end], out=out)  # float32 difference, widened
         out.mul_(out)
 
     return _reduce(a.numel(), fill)
 
 
 def norm64(a: torch.Tensor) -> float:
-    return float(sqnorm64(a) ** 0.5)
+    return math.sqrt(sqnorm64(a))
 
 
 def _same_length(a: torch.Tensor, b: torch.Tensor) -> None:

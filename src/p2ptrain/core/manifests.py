@@ -209,7 +209,7 @@ class ScreeningSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Thresholds for screening updates from their tensors, and quarantine policy."""
 
     max_norm_ratio: float = 3.0
-    min_cosine: float = -0.5
+    min_cosine: float = 0.0
     quarantine_after: int = 3
     quarantine_windows: int = 5
 

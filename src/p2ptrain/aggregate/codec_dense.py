@@ -1,0 +1,154 @@
+"""Dense update codecs: ``fp32``, ``fp16``, ``bf16`` (a cast) and ``int8`` (blockwise absmax).
+
+``fp32`` / ``fp16`` / ``bf16`` send one part per parameter:
+
+``values``  the parameter's shape, in the codec's dtype (round to nearest even).
+
+``int8`` views the flattened (row-major) tensor as consecutive blocks of ``block_size``
+elements (the last one may be shorter) and sends:
+
+``q``       the parameter's shape, int8 in ``[-127, 127]``;
+``scale``   shape ``(ceil(numel / block_size),)``, float32, one per block, finite, ``>= 0``.
+
+The encoder sets ``scale = absmax / 127`` (rounded up to the next float32 when rounding to
+nearest fell below it, so ``|x| / scale <= 127`` holds) and ``q = round(x / scale)``, hence
+``|x - q * scale| <= absmax / 127`` per element (a zero block gets scale 0). Decoding is one
+elementwise ``q * scale`` per element (int8 -> float32 is exact), the same bits everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain.core.tensors import TensorSpec
+from p2ptrain.errors import LocalError, ProtocolViolation
+
+__all__ = ["MAX_BLOCK_SIZE", "CastCodec", "Int8Codec"]
+
+MAX_BLOCK_SIZE = 1 << 20
+"""Largest int8 block a manifest may ask for."""
+
+_CAST_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class CastCodec:
+    """Each tensor cast to a float dtype: ``fp32`` (lossless), ``fp16`` or ``bf16``."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in _CAST_DTYPES:
+            raise LocalError(f"no cast codec {self.name!r}; use one of {sorted(_CAST_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _CAST_DTYPES[self.name]
+
+    @property
+    def error_feedback(self) -> bool:
+        return False
+
+    def settings(self) -> dict[str, int | float]:
+        return {}
+
+    def layout(self, spec: TensorSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"values": (spec.shape, self.dtype)}
+
+    def encoder(
+        self, spec: TensorSpec, seed: int
+    ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+        """A function from one float32 tensor to its parts (stateless; ``seed`` unused)."""
+        dtype = self.dtype
+
+        def encode(value: torch.Tensor) -> dict[str, torch.Tensor]:
+            cast = value.to(dtype)
+            if dtype != torch.float32 and not bool(torch.isfinite(cast).all()):
+                raise LocalError(
+                    f"delta {spec.name!r} overflows {self.name} (largest |value| "
+                    f"{float(value.abs().max()):.6g}); use codec bf16 or int8 instead"
+                )
+            return {"values": cast}
+
+        return encode
+
+    def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The float32 tensor (an exact widening); ``parts`` already match :meth:`layout`."""
+        return parts["values"].to(torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Codec:
+    """Blockwise absmax int8 quantisation: one float32 scale per ``block_size`` elements."""
+
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise LocalError(
+                f"codec.config.block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}"
+            )
+
+    @property
+    def name(self) -> str:
+        return "int8"
+
+    @property
+    def error_feedback(self) -> bool:
+        return False
+
+    def settings(self) -> dict[str, int | float]:
+        return {"block_size": self.block_size}
+
+    def layout(self, spec: TensorSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        blocks = -(-math.prod(spec.shape) // self.block_size)
+        return {"q": (spec.shape, torch.int8), "scale": ((blocks,), torch.float32)}
+
+    def encoder(
+        self, spec: TensorSpec, seed: int
+    ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+        """A function from one float32 tensor to its parts (stateless; ``seed`` unused)."""
+        return lambda value: _quantise(value, self.block_size)
+
+    def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``q * scale`` per element; ``parts`` already match :meth:`layout`."""
+        q, scale = parts["q"].reshape(-1), parts["scale"]
+        if bool(q.eq(-128).any()):
+            raise ProtocolViolation(f"int8 codes of {spec.name!r} hold -128; codes lie in ±127")
+        if not bool((torch.isfinite(scale) & scale.ge(0)).all()):
+            raise ProtocolViolation(f"int8 scales of {spec.name!r} must be finite and >= 0")
+        dense = torch.empty(q.numel(), dtype=torch.float32)
+        full = q.numel() // self.block_size * self.block_size
+        blocks = full // self.block_size
+        if full:
+            out = dense[:full].view(blocks, self.block_size)
+            torch.mul(q[:full].view(blocks, self.block_size), scale[:blocks, None], out=out)
+        if full < q.numel():
+            torch.mul(q[full:], scale[blocks:], out=dense[full:])
+        return dense.reshape(spec.shape)
+
+
+def _quantise(value: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    """int8 codes and per-block scales of one float32 tensor (see the module docstring)."""
+    flat = value.reshape(-1)
+    numel = flat.numel()
+    blocks = -(-numel // block_size)
+    if numel % block_size:
+        padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+        padded[:numel] = flat
+    else:
+        padded = flat
+    grid = padded.view(blocks, block_size)
+    absmax = grid.abs().amax(dim=1) if numel else torch.zeros(0)
+    scale = absmax / 127.0
+    # Round the scale up where rounding to nearest fell below absmax / 127 (float64 is exact
+    # here), so no code needs more than 127; in the subnormal range this also keeps it > 0.
+    low = scale.double().mul(127.0).lt(absmax.double())
+    scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    divisor = torch.where(scale.gt(0), scale, torch.ones_like(scale))
+    codes = grid.div(divisor[:, None]).round_().clamp_(-127.0, 127.0).to(torch.int8)
+    return {"q": codes.reshape(-1)[:numel].reshape(value.shape), "scale": scale}

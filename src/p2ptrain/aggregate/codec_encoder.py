@@ -1,0 +1,162 @@
+"""The trainer side of the update codecs: :class:`UpdateEncoder`, which turns successive
+pseudo-gradients into update blobs and keeps error-feedback residuals and warm starts.
+
+Build one with :func:`p2ptrain.aggregate.codecs.make_encoder`; the wire format is described
+in :mod:`p2ptrain.aggregate.codecs`.
+
+Error feedback (``topk``, ``lowrank``): the encoder compresses ``acc = delta + residual`` and
+keeps ``residual = acc - decoded``, where ``decoded`` is exactly what every decoder will get
+from the blob. What is not sent in one round is sent in a later one; for ``topk`` the
+identity ``decoded + residual == acc`` holds bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from p2ptrain.core.tensors import Schema, encode_state_dict
+from p2ptrain.errors import LocalError
+
+if TYPE_CHECKING:
+    from p2ptrain.aggregate.codecs import ParameterCodec
+
+__all__ = ["MAX_ABS_VALUE", "EncoderStatistics", "UpdateEncoder"]
+
+MAX_ABS_VALUE: Final = 2.0**100
+"""Largest pseudo-gradient magnitude an encoder accepts (about 1.3e30, exact in float32);
+beyond it training has diverged, and codecs could overflow float32 while decoding."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderStatistics:
+    """What an :class:`UpdateEncoder` has done so far.
+
+    ``bytes_in`` counts the float32 bytes of the deltas encoded, ``bytes_out`` the blob bytes
+    produced; ``compression_ratio`` is their quotient (0 before the first update).
+    ``residual_norm`` is the L2 norm of the error-feedback residual (0 without feedback).
+    """
+
+    codec: str
+    updates: int
+    bytes_in: int
+    bytes_out: int
+    last_bytes_out: int
+    compression_ratio: float
+    residual_norm: float
+
+
+class UpdateEncoder:
+    """Encodes one trainer's successive pseudo-gradients with one codec.
+
+    ``header`` is the canonical codec header tensor of ``codec`` over ``schema`` (sorted by
+    name) and ``header_name`` its name in the container; ``seed`` fixes the codec's
+    randomness. Use :func:`p2ptrain.aggregate.codecs.make_encoder` rather than this.
+    """
+
+    def __init__(
+        self,
+        codec: ParameterCodec,
+        schema: Schema,
+        *,
+        header_name: str,
+        header: bytes,
+        seed: int,
+    ) -> None:
+        self._codec = codec
+        self._schema = schema
+        self._header_name = header_name
+        self._header = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self._encoders = {spec.name: codec.encoder(spec, seed) for spec in schema}
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._updates = self._bytes_in = self._bytes_out = self._last_bytes_out = 0
+
+    @property
+    def codec(self) -> ParameterCodec:
+        return self._codec
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema
+
+    def encode(self, delta: Mapping[str, torch.Tensor]) -> bytes:
+        """The update blob of ``delta`` (one float32 tensor per schema entry, any device).
+
+        Raises :class:`LocalError`, changing no state, for missing or extra names, wrong
+        shapes or dtypes, and NaN, infinities or magnitudes over :data:`MAX_ABS_VALUE`.
+        """
+        values = self._checked(delta)
+        container = {self._header_name: self._header}
+        residuals: dict[str, torch.Tensor] = {}
+        for spec in self._schema:
+            value = values[spec.name]
+            if self._codec.error_feedback and spec.name in self._residuals:
+                value = value + self._residuals[spec.name]
+            parts = self._encoders[spec.name](value)
+            if self._codec.error_feedback:
+                residuals[spec.name] = value - self._codec.decode(spec, parts)
+            for part, tensor in parts.items():
+                container[f"{spec.name}/{part}"] = tensor
+        blob = bytes(encode_state_dict(container))
+        self._residuals.update(residuals)
+        self._updates += 1
+        self._bytes_in += sum(value.nbytes for value in values.values())
+        self._bytes_out += len(blob)
+        self._last_bytes_out = len(blob)
+        return blob
+
+    def _checked(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The delta's tensors on the CPU, after checking them against the schema."""
+        expected = {spec.name for spec in self._schema}
+        missing, extra = sorted(expected - delta.keys()), sorted(delta.keys() - expected)
+        if missing or extra:
+            raise LocalError(
+                f"delta does not match the model schema: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}; pass one tensor per schema parameter"
+            )
+        values = {}
+        for spec in self._schema:
+            value = delta[spec.name]
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+                raise LocalError(f"delta {spec.name!r} must be a float32 tensor")
+            if tuple(value.shape) != spec.shape:
+                raise LocalError(
+                    f"delta {spec.name!r} has shape {tuple(value.shape)}; "
+                    f"the schema says {spec.shape}"
+                )
+            value = value.detach().cpu()
+            if not bool(value.abs().le(MAX_ABS_VALUE).all()):
+                raise LocalError(
+                    f"delta {spec.name!r} holds NaN, infinity or values beyond "
+                    f"±{MAX_ABS_VALUE:g}: local training diverged; lower the inner learning "
+                    "rate or restart from the head"
+                )
+            values[spec.name] = value
+        return values
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """Copies of the error-feedback residuals: what was computed but not yet sent.
+        Empty before the first update and for codecs without feedback."""
+        return {name: residual.clone() for name, residual in self._residuals.items()}
+
+    def reset(self) -> None:
+        """Forget the residuals, e.g. when training restarts from a different head."""
+        self._residuals.clear()
+
+    def statistics(self) -> EncoderStatistics:
+        """Counters so far, and the current residual norm."""
+        norms = [torch.linalg.vector_norm(r, dtype=torch.float64) for r in self._residuals.values()]
+        squares = sum(float(norm) ** 2 for norm in norms)
+        return EncoderStatistics(
+            codec=self._codec.name,
+            updates=self._updates,
+            bytes_in=self._bytes_in,
+            bytes_out=self._bytes_out,
+            last_bytes_out=self._last_bytes_out,
+            compression_ratio=self._bytes_in / self._bytes_out if self._bytes_out else 0.0,
+            residual_norm=math.sqrt(squares),
+        )

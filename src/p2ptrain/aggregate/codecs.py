@@ -1,0 +1,393 @@
+"""Update codecs: pseudo-gradients to compact bytes and back (DESIGN §4, steps 3-4).
+
+A trainer encodes its pseudo-gradient ``delta = theta_base - theta_local`` (a dict of float32
+tensors, one per parameter of the model schema) with the experiment's :class:`CodecSpec` into
+an update blob; reducers and validators decode blobs from untrusted peers.
+
+Wire format
+-----------
+An update blob is a safetensors container written by
+:func:`p2ptrain.core.tensors.encode_state_dict` (no pickle; its ``__metadata__`` carries the
+schema hash of the container's own tensors). It holds:
+
+``__codec__``        uint8, 1-D: the *codec header*, UTF-8 JSON in canonical form (these
+                     fields in this order, settings keys sorted, no spaces)::
+
+                         {"format":"p2ptrain-update/1","codec":"int8",
+                          "config":{"block_size":256},
+                          "schema":[{"name":"fc.bias","shape":[10],"dtype":"float32"},
+                                    ...]}
+
+                     ``config`` is the codec's complete settings, defaults filled in;
+                     ``schema`` is the model schema (sorted by name, all float32), so
+                     ``schema_hash(schema)`` is the manifest's model schema hash.
+``<param>/<part>``   the parts of each parameter, for every parameter of the schema:
+
+=========== ===================== ============================================== ===========
+codec       part                  shape                                          dtype
+=========== ===================== ============================================== ===========
+fp32        ``values``            the parameter's                                float32
+fp16        ``values``            the parameter's                                float16
+bf16        ``values``            the parameter's                                bfloat16
+int8        ``q``                 the parameter's                                int8
+int8        ``scale``             ``(ceil(numel / block_size),)``                float32
+topk        ``indices``           ``(k,)``, ``k = max(1, ceil(fraction*numel))`` int32 [#]_
+topk        ``values``            ``(k,)``                                       float32
+lowrank     ``p``, ``q``          ``(rows, r)``, ``(cols, r)`` [#]_              float32
+lowrank     ``values`` (raw)      the parameter's                                float32
+=========== ===================== ============================================== ===========
+
+.. [#] int64 for tensors of ``2**31`` elements or more; ``k = 0`` for empty tensors.
+.. [#] ``rows = shape[0]``, ``cols = prod(shape[1:])``, ``r = min(rank, rows, cols)``, for
+   tensors with ``ndim >= 2`` whose factors are smaller than the matrix; others go raw.
+
+The codec and the schema fix every part's name, shape and dtype, so an honest blob's layout
+is fully determined and a decoder checks it exactly. The part values are specified in
+:mod:`~p2ptrain.aggregate.codec_dense`, :mod:`~p2ptrain.aggregate.codec_sparse` and
+:mod:`~p2ptrain.aggregate.codec_lowrank`.
+
+Decoding
+--------
+:func:`decode_update` accepts a blob only if the header is byte-for-byte the canonical header
+of the expected codec settings and model schema, the container holds exactly the expected
+parts, and every value is valid (int8 codes in ±127, scales finite and >= 0, top-k indices
+strictly increasing and in range, every decoded value finite). Anything else raises
+:class:`ProtocolViolation`, and nothing else. Decoding uses only elementwise float32 ops, so
+every machine gets the same bits. Encoding (:class:`UpdateEncoder`) is deterministic for a
+given seed on a given machine; ``topk`` and ``lowrank`` keep an error-feedback residual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Final, Protocol
+
+import msgspec
+import torch
+
+from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec
+from p2ptrain.aggregate.codec_encoder import MAX_ABS_VALUE, EncoderStatistics, UpdateEncoder
+from p2ptrain.aggregate.codec_lowrank import LowRankCodec
+from p2ptrain.aggregate.codec_sparse import TopKCodec
+from p2ptrain.core.manifests import CodecSpec, ConfigValue
+from p2ptrain.core.tensors import MAX_NDIM, Schema, TensorSpec, decode_state_dict, schema_hash
+from p2ptrain.errors import LocalError, ProtocolViolation
+
+__all__ = [
+    "HEADER_TENSOR",
+    "MAX_ABS_VALUE",
+    "WIRE_FORMAT",
+    "EncoderStatistics",
+    "ParameterCodec",
+    "UpdateEncoder",
+    "codec_for",
+    "decode_update",
+    "make_encoder",
+    "max_update_bytes",
+]
+
+HEADER_TENSOR: Final = "__codec__"
+"""Name of the codec header tensor; parameter parts always contain a '/'."""
+
+WIRE_FORMAT: Final = "p2ptrain-update/1"
+"""Version tag of this wire format, inside the codec header."""
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class ParameterCodec(Protocol):
+    """How one codec encodes and decodes a single parameter (see the codec_* modules)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def error_feedback(self) -> bool:
+        """True when the encoder must keep a residual of what it did not send."""
+        ...
+
+    def settings(self) -> dict[str, int | float]:
+        """The codec's complete settings, as the header carries them."""
+        ...
+
+    def layout(self, spec: TensorSpec) -> Layout:
+        """Part suffix -> (shape, dtype) of an honest encoding of a parameter."""
+        ...
+
+    def encoder(
+        self, spec: TensorSpec, seed: int
+    ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+        """A (possibly stateful) function from the parameter's float32 value to its parts."""
+        ...
+
+    def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The float32 value from parts matching :meth:`layout`; checks values, bit-exact."""
+        ...
+
+
+# --------------------------------------------------------------------------------- registry
+
+
+def _setting(spec: CodecSpec, key: str, kind: type[int] | type[float], default: float) -> float:
+    value: ConfigValue = spec.config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        wanted = "a number" if kind is float else "an integer"
+        raise LocalError(f"codec.config.{key} must be {wanted}, got {value!r}")
+    return value
+
+
+def _cast(spec: CodecSpec) -> ParameterCodec:
+    return CastCodec(spec.name)
+
+
+def _int8(spec: CodecSpec) -> ParameterCodec:
+    return Int8Codec(block_size=int(_setting(spec, "block_size", int, 256)))
+
+
+def _topk(spec: CodecSpec) -> ParameterCodec:
+    return TopKCodec(fraction=float(_setting(spec, "fraction", float, 0.01)))
+
+
+def _lowrank(spec: CodecSpec) -> ParameterCodec:
+    return LowRankCodec(rank=int(_setting(spec, "rank", int, 4)))
+
+
+_REGISTRY: Final[dict[str, tuple[tuple[str, ...], Callable[[CodecSpec], ParameterCodec]]]] = {
+    "fp32": ((), _cast),
+    "fp16": ((), _cast),
+    "bf16": ((), _cast),
+    "int8": (("block_size",), _int8),
+    "topk": (("fraction",), _topk),
+    "lowrank": (("rank",), _lowrank),
+}
+
+
+def codec_for(spec: CodecSpec) -> ParameterCodec:
+    """The codec a manifest names, with its settings checked (:class:`LocalError` naming
+    ``codec.config.<key>`` for an unknown key or a bad value)."""
+    keys, build = _REGISTRY[spec.name]
+    for key in sorted(spec.config):
+        if key not in keys:
+            known = ", ".join(keys) if keys else "none"
+            raise LocalError(
+                f"codec.config.{key} is not a setting of codec {spec.name!r} (settings: {known})"
+            )
+    return build(spec)
+
+
+# ------------------------------------------------------------------------ format
+
+
+class _Header(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The codec header: format tag, codec, its complete settings and the model schema."""
+
+    format: str
+    codec: str
+    config: dict[str, int | float]
+    schema: tuple[TensorSpec, ...]
+
+
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
+class _PeerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A schema entry as a peer sent it: same JSON as TensorSpec, with bounded fields."""
+
+    name: str
+    shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_NDIM)]
+    dtype: str
+
+
+class _PeerHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A codec header as a peer sent it."""
+
+    format: str
+    codec: str
+    config: dict[str, int | float]
+    schema: tuple[_PeerSpec, ...]
+
+
+_HEADER_ENCODER: Final = msgspec.json.Encoder(order="deterministic")
+_HEADER_DECODER: Final = msgspec.json.Decoder(_PeerHeader)
+
+
+def header_bytes(codec: ParameterCodec, schema: Schema) -> bytes:
+    """The canonical codec header of ``codec`` over ``schema`` (sorted by name)."""
+    return _HEADER_ENCODER.encode(_Header(WIRE_FORMAT, codec.name, codec.settings(), schema))
+
+
+def model_schema(schema: Iterable[TensorSpec]) -> Schema:
+    """``schema`` sorted by name; :class:`LocalError` unless its entries are uniquely named
+    float32 TensorSpecs (pseudo-gradients are float32)."""
+    specs = tuple(schema)
+    for spec in specs:
+        if not isinstance(spec, TensorSpec):
+            raise LocalError(f"a schema holds TensorSpec records, not {type(spec).__name__}")
+        if spec.dtype != "float32":
+            raise LocalError(
+                f"parameter {spec.name!r} is {spec.dtype}; codecs carry float32 "
+                "pseudo-gradients, so leave other entries out of the schema"
+            )
+    schema_hash(specs)  # LocalError on a repeated name
+    return tuple(sorted(specs, key=lambda spec: spec.name))
+
+
+def part_layout(codec: ParameterCodec, schema: Schema) -> Layout:
+    """Every parameter part of an honest blob: container name -> (shape, dtype)."""
+    layout: Layout = {}
+    for spec in schema:
+        for part, shape_dtype in codec.layout(spec).items():
+            layout[f"{spec.name}/{part}"] = shape_dtype
+    return layout
+
+
+def max_update_bytes(spec: CodecSpec, schema: Iterable[TensorSpec]) -> int:
+    """A safe ``max_bytes`` for :func:`decode_update`: the exact tensor bytes of an honest
+    blob plus an upper bound on its safetensors header."""
+    codec, model = codec_for(spec), model_schema(schema)
+    layout = part_layout(codec, model)
+    layout[HEADER_TENSOR] = ((len(header_bytes(codec, model)),), torch.uint8)
+    data = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+    # Per entry: the name JSON-escaped (at most 6 bytes a character), dtype, shape, offsets.
+    entries = sum(6 * len(name) + 128 + 24 * len(shape) for name, (shape, _) in layout.items())
+    return 8 + 256 + entries + data
+
+
+def make_encoder(spec: CodecSpec, schema: Iterable[TensorSpec], *, seed: int = 0) -> UpdateEncoder:
+    """An encoder for the manifest's codec over the model schema (float32 entries only).
+
+    ``seed`` fixes the encoder's randomness (the ``lowrank`` warm start). Raises
+    :class:`LocalError` for bad settings or schemas.
+    """
+    codec, model = codec_for(spec), model_schema(schema)
+    return UpdateEncoder(
+        codec, model, header_name=HEADER_TENSOR, header=header_bytes(codec, model), seed=seed
+    )
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+def decode_update(
+    data: bytes | bytearray | memoryview,
+    codec: CodecSpec,
+    schema: Iterable[TensorSpec] | str,
+    *,
+    max_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """Decode an update blob from a peer into float32 tensors, keyed and sorted by name.
+
+    ``schema`` is the model schema (float32 entries), or its hash as the manifest carries it
+    (the blob's header then supplies the schema, checked against the hash). Raises
+    :class:`ProtocolViolation`, and nothing else, for any bad blob (see the module docstring);
+    :class:`LocalError` for bad arguments. Every tensor is fresh, writable CPU memory.
+    """
+    param_codec = codec_for(codec)
+    expected = _expected(schema)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise LocalError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+    tensors = decode_state_dict(data, max_bytes=max_bytes)
+    model = _read_header(tensors.pop(HEADER_TENSOR, None), param_codec, expected)
+    _check_layout(tensors, part_layout(param_codec, model), param_codec.name)
+    decoded = {}
+    for spec in model:
+        parts = {part: tensors[f"{spec.name}/{part}"] for part in param_codec.layout(spec)}
+        value = param_codec.decode(spec, parts)
+        if not bool(torch.isfinite(value).all()):
+            raise ProtocolViolation(
+                f"update parameter {spec.name!r} decodes to NaN or infinity "
+                f"({param_codec.name} parts that are non-finite or overflow float32)"
+            )
+        decoded[spec.name] = value
+    return decoded
+
+
+def _expected(schema: Iterable[TensorSpec] | str) -> Schema | str:
+    if not isinstance(schema, str):
+        return model_schema(schema)
+    if len(schema) != 64 or schema.strip("0123456789abcdef"):
+        raise LocalError(f"schema {schema!r:.80} is neither a schema nor a schema_hash(...)")
+    return schema
+
+
+def _read_header(raw: torch.Tensor | None, codec: ParameterCodec, expected: Schema | str) -> Schema:
+    """The model schema from a peer's codec header, after checking the header is exactly the
+    canonical one for ``codec`` and the expected schema (or schema hash)."""
+    if raw is None or raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise ProtocolViolation(f"update has no 1-D uint8 {HEADER_TENSOR!r} codec header")
+    text = raw.numpy().tobytes()
+    try:
+        header = _HEADER_DECODER.decode(text)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ProtocolViolation(f"malformed update codec header: {exc}") from None
+    if header.format != WIRE_FORMAT:
+        raise ProtocolViolation(
+            f"update format {header.format!r:.80} is not {WIRE_FORMAT!r}; upgrade p2ptrain"
+        )
+    if header.codec != codec.name or header.config != codec.settings():
+        raise ProtocolViolation(
+            f"update was encoded with codec {header.codec!r:.40} {header.config!r:.80}; "
+            f"the experiment uses {codec.name!r} {codec.settings()!r}"
+        )
+    claimed = tuple(TensorSpec(spec.name, spec.shape, spec.dtype) for spec in header.schema)
+    schema = _check_schema(claimed, expected)
+    if text != header_bytes(codec, schema):
+        raise ProtocolViolation("update codec header is not in canonical form")
+    return schema
+
+
+def _check_schema(claimed: Schema, expected: Schema | str) -> Schema:
+    if isinstance(expected, str):
+        names = [spec.name for spec in claimed]
+        if len(set(names)) != len(names):
+            raise ProtocolViolation("update codec header names a parameter twice")
+        if schema_hash(claimed) != expected:
+            raise ProtocolViolation(
+                f"update is for model schema {schema_hash(claimed)}, not {expected}: the "
+                "sender trains a different model or revision"
+            )
+        for spec in claimed:  # the hash matched: a schema the experiment signed
+            if spec.dtype != "float32":
+                raise ProtocolViolation(f"parameter {spec.name!r:.80} is not a float32 tensor")
+        return tuple(sorted(claimed, key=lambda spec: spec.name))
+    if claimed != expected:
+        raise ProtocolViolation(f"update model schema differs: {_difference(expected, claimed)}")
+    return expected
+
+
+def _difference(expected: Schema, claimed: Schema) -> str:
+    """Names the first parameter where two schemas disagree."""
+    want = {spec.name: spec for spec in expected}
+    have = {spec.name: spec for spec in claimed}
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            return f"parameter {name!r:.80} is missing"
+        if name not in want:
+            return f"unexpected parameter {name!r:.80}"
+        if want[name] != have[name]:
+            return f"{name!r:.80}: expected {want[name].describe()}, got {have[name].describe()}"
+    return "parameters are out of order or repeated"
+
+
+def _check_layout(tensors: Mapping[str, torch.Tensor], layout: Layout, codec: str) -> None:
+    """The container must hold exactly the parts of ``layout``, with their shapes and dtypes."""
+    missing = sorted(layout.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - layout.keys())
+    if missing or extra:
+        raise ProtocolViolation(
+            f"{codec} update parts do not match the schema: missing {_names(missing)}, "
+            f"unexpected {_names(extra)}"
+        )
+    for name, (shape, dtype) in layout.items():
+        tensor = tensors[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ProtocolViolation(
+                f"{codec} update part {name!r:.80} is {tuple(tensor.shape)} {tensor.dtype}; "
+                f"expected {shape} {dtype}"
+            )
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(name)[:60] for name in names[:3])
+    return f"[{shown}{', ...' if len(names) > 3 else ''}]"

@@ -1,0 +1,147 @@
+"""Screening updates from their tensors (DESIGN §4 step 4), before any rule sees them.
+
+An update passes when its tensors have the model's schema (names, shapes, float32), are all
+finite, its L2 norm lies within ``max_norm_ratio`` of the cohort median (above or below: a
+trainer that sends near-zero updates has not trained), and its cosine to the cohort's robust
+centre (the coordinate-wise median of the updates that passed the norm test) is at least
+``min_cosine``. Every number behind a decision is a bit-exact float64 reduction, so every
+validator reaches the same verdicts. Signatures, leases, base heads, replays and quarantine
+are checked by the protocol layer, not here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain.aggregate.cohort import Contribution, Failure
+from p2ptrain.aggregate.exact import dot64, flatten, norm64
+from p2ptrain.aggregate.rules import make_rule
+from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
+from p2ptrain.core.tensors import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A decoded update waiting for its verdict."""
+
+    update_id: str
+    tensors: Mapping[str, torch.Tensor]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether one update passed screening, why, and the figures behind it."""
+
+    update_id: str
+    accepted: bool
+    reason: str
+    norm: float | None = None
+    norm_ratio: float | None = None
+    cosine: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScreeningOutcome:
+    """Verdicts in update-id order, and the cohort split for an aggregation rule."""
+
+    verdicts: tuple[Verdict, ...]
+    contributions: tuple[Contribution, ...]
+    failures: tuple[Failure, ...]
+
+
+def check_structure(tensors: Mapping[str, torch.Tensor], schema: Sequence[TensorSpec]) -> str:
+    """'' when ``tensors`` match ``schema`` and are finite float32, else the problem."""
+    expected = {spec.name: spec for spec in schema}
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        return f"tensors do not match the model schema (missing {missing[:3]}, extra {extra[:3]})"
+    for name in sorted(expected):
+        tensor, spec = tensors[name], expected[name]
+        if tensor.dtype != torch.float32:
+            return f"parameter {name!r} is {tensor.dtype}, expected float32"
+        if tuple(tensor.shape) != tuple(spec.shape):
+            return f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}"
+        if not bool(torch.isfinite(tensor).all()):
+            return f"parameter {name!r} holds NaN or infinite values"
+    return ""
+
+
+def screen_cohort(
+    candidates: Sequence[Candidate], schema: Sequence[TensorSpec], spec: ScreeningSpec
+) -> ScreeningOutcome:
+    """Screen a window's updates; the outcome does not depend on the order of ``candidates``."""
+    ordered = sorted(candidates, key=lambda c: c.update_id)
+    verdicts: dict[str, Verdict] = {}
+    vectors: dict[str, torch.Tensor] = {}
+    for candidate in ordered:
+        problem = check_structure(candidate.tensors, schema)
+        if problem:
+            verdicts[candidate.update_id] = Verdict(candidate.update_id, False, problem)
+        else:
+            vectors[candidate.update_id] = flatten(candidate.tensors)
+    norms = {update_id: norm64(vector) for update_id, vector in vectors.items()}
+    in_range = _norm_screen(norms, spec.max_norm_ratio, verdicts)
+    centre = _robust_centre([vectors[i] for i in in_range])
+    centre_norm = norm64(centre) if centre is not None else 0.0
+    median_norm = statistics.median(norms.values()) if norms else 0.0
+    for update_id in in_range:
+        ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
+        if centre is None or centre_norm == 0.0 or norms[update_id] == 0.0:
+            verdicts[update_id] = Verdict(update_id, True, "accepted", norms[update_id], ratio)
+            continue
+        cosine = dot64(vectors[update_id], centre) / (norms[update_id] * centre_norm)
+        accepted = cosine >= spec.min_cosine
+        reason = (
+            "accepted"
+            if accepted
+            else f"cosine {cosine:.3f} to the cohort's robust centre is below {spec.min_cosine}"
+        )
+        verdicts[update_id] = Verdict(update_id, accepted, reason, norms[update_id], ratio, cosine)
+    weights = {c.update_id: c.weight for c in ordered}
+    final = tuple(verdicts[c.update_id] for c in ordered)
+    return ScreeningOutcome(
+        verdicts=final,
+        contributions=tuple(
+            Contribution(v.update_id, vectors[v.update_id], weights[v.update_id])
+            for v in final
+            if v.accepted
+        ),
+        failures=tuple(Failure(v.update_id, v.reason) for v in final if not v.accepted),
+    )
+
+
+def _norm_screen(
+    norms: dict[str, float], max_ratio: float, verdicts: dict[str, Verdict]
+) -> list[str]:
+    """Ids whose norm is within ``max_ratio`` of the median, in id order; the rest get a
+    rejecting verdict."""
+    if not norms:
+        return []
+    median = statistics.median(norms.values())
+    passed: list[str] = []
+    for update_id in sorted(norms):
+        norm = norms[update_id]
+        ratio = norm / median if median > 0 else 1.0
+        if median > 0 and ratio > max_ratio:
+            reason = f"norm {ratio:.2f}x the cohort median exceeds {max_ratio}x"
+        elif median > 0 and ratio < 1.0 / max_ratio:
+            reason = f"norm {ratio:.3f}x the cohort median is below 1/{max_ratio} (no training?)"
+        else:
+            passed.append(update_id)
+            continue
+        verdicts[update_id] = Verdict(update_id, False, reason, norm, ratio)
+    return passed
+
+
+def _robust_centre(vectors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Coordinate-wise median of ``vectors`` (bit-exact), or None for an empty cohort."""
+    if not vectors:
+        return None
+    contributions = [Contribution(f"{i:08d}", vector) for i, vector in enumerate(vectors)]
+    return make_rule(AggregationSpec(rule="median")).aggregate(contributions).aggregate

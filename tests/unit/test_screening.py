@@ -1,0 +1,95 @@
+"""Screening updates from their tensors: each rejection has a reason, order never matters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from p2ptrain.aggregate.screening import Candidate, check_structure, screen_cohort
+from p2ptrain.core.manifests import ScreeningSpec
+from p2ptrain.core.tensors import schema_of
+
+SEED = 20261121
+SPEC = ScreeningSpec(max_norm_ratio=3.0, min_cosine=0.0)
+
+
+def honest_cohort(n: int, seed: int = SEED) -> list[Candidate]:
+    """n updates around a common direction, as honest trainers would send."""
+    generator = torch.Generator().manual_seed(seed)
+    direction = {
+        "w": torch.randn(4, 5, generator=generator),
+        "b": torch.randn(5, generator=generator),
+    }
+    cohort = []
+    for i in range(n):
+        tensors = {
+            name: value + 0.3 * torch.randn(value.shape, generator=generator)
+            for name, value in direction.items()
+        }
+        cohort.append(Candidate(f"{i:064x}", tensors))
+    return cohort
+
+
+SCHEMA = schema_of(honest_cohort(1)[0].tensors)
+
+
+def verdict_of(outcome, update_id):  # type: ignore[no-untyped-def]
+    return next(v for v in outcome.verdicts if v.update_id == update_id)
+
+
+def test_an_honest_cohort_passes_whole() -> None:
+    outcome = screen_cohort(honest_cohort(8), SCHEMA, SPEC)
+    assert all(v.accepted for v in outcome.verdicts), f"seed={SEED}: {outcome.verdicts}"
+    assert len(outcome.contributions) == 8
+    assert not outcome.failures
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda t: {**t, "w": t["w"].double()}, "is torch.float64, expected float32"),
+        (lambda t: {**t, "w": t["w"].reshape(5, 4)}, "has shape (5, 4), expected (4, 5)"),
+        (lambda t: {"w": t["w"]}, "do not match the model schema"),
+        (lambda t: {**t, "extra": torch.zeros(1)}, "do not match the model schema"),
+        (lambda t: {**t, "b": torch.full((5,), float("nan"))}, "NaN or infinite"),
+        (lambda t: {**t, "b": torch.full((5,), float("inf"))}, "NaN or infinite"),
+        (lambda t: {k: v * 10 for k, v in t.items()}, "exceeds 3.0x"),
+        (lambda t: {k: v * 0.01 for k, v in t.items()}, "below 1/3.0"),
+        (lambda t: {k: -v for k, v in t.items()}, "cosine"),
+    ],
+)
+def test_each_bad_update_is_rejected_with_its_reason(mutate, reason) -> None:  # type: ignore[no-untyped-def]
+    cohort = honest_cohort(7)
+    bad = Candidate("f" * 64, mutate(dict(cohort[0].tensors)))
+    outcome = screen_cohort([*cohort, bad], SCHEMA, SPEC)
+    verdict = verdict_of(outcome, bad.update_id)
+    assert not verdict.accepted, f"seed={SEED}"
+    assert reason in verdict.reason
+    assert [f.update_id for f in outcome.failures] == [bad.update_id]
+    assert len(outcome.contributions) == 7
+
+
+def test_verdicts_do_not_depend_on_arrival_order() -> None:
+    cohort = honest_cohort(9)
+    cohort.append(Candidate("e" * 64, {k: v * 10 for k, v in cohort[0].tensors.items()}))
+    cohort.append(Candidate("d" * 64, {k: -v for k, v in cohort[1].tensors.items()}))
+    reference = screen_cohort(cohort, SCHEMA, SPEC)
+    for trial in range(5):
+        shuffled = cohort[:]
+        random.Random(SEED + trial).shuffle(shuffled)
+        again = screen_cohort(shuffled, SCHEMA, SPEC)
+        assert again.verdicts == reference.verdicts, f"seed={SEED + trial}"
+        assert [c.update_id for c in again.contributions] == [
+            c.update_id for c in reference.contributions
+        ]
+
+
+def test_structure_check_accepts_a_matching_update() -> None:
+    assert check_structure(honest_cohort(1)[0].tensors, SCHEMA) == ""
+
+
+def test_an_empty_cohort_screens_to_nothing() -> None:
+    outcome = screen_cohort([], SCHEMA, SPEC)
+    assert outcome.verdicts == () and outcome.contributions == () and outcome.failures == ()
