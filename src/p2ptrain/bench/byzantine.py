@@ -228,36 +228,55 @@ def rule_spec(name: str) -> AggregationSpec:
 
 
 def run_byzantine_benchmark(config: ByzantineConfig, progress: Any | None = None) -> dict[str, Any]:
-    """The whole table: honest accuracy, then every rule x attack x Byzantine count."""
+    """The whole table: honest accuracy; every rule alone and behind the default screening,
+    under every attack and Byzantine count; and the default pipeline as a node runs it
+    (default screening, then the default rule with its default settings)."""
     for name in config.rules:
         if name not in AGGREGATION_RULES:
             raise LocalError(f"unknown rule {name!r}; choose from {', '.join(AGGREGATION_RULES)}")
     data = load_digits_split(config.workers, config.seed)
     started = time.perf_counter()
     honest = train_run(data, config, AggregationSpec(rule="mean"), "none", 0)
-    results: list[dict[str, Any]] = []
-    runs = [(rule, "none", 0) for rule in config.rules] + [
-        (rule, attack, f)
-        for f in config.byzantine
-        for attack in config.attacks
+    screening = ScreeningSpec()
+    runs = [
+        (rule, attack, f, screened)
+        for screened in (False, True)
+        for f in (0, *config.byzantine)
+        for attack in (("none",) if f == 0 else config.attacks)
         for rule in config.rules
     ]
-    for index, (rule, attack, f) in enumerate(runs):
-        acc = train_run(data, config, rule_spec(rule), attack, f)
-        results.append({"rule": rule, "attack": attack, "byzantine": f, "accuracy": acc})
+    results: list[dict[str, Any]] = []
+    for index, (rule, attack, f, screened) in enumerate(runs):
+        acc = train_run(
+            data, config, rule_spec(rule), attack, f, screening=screening if screened else None
+        )
+        row = {"rule": rule, "attack": attack, "byzantine": f, "screened": screened}
+        results.append({**row, "accuracy": acc})
         if progress is not None:
             progress(index + 1, len(runs), results[-1])
     default = config.default_rule
-    default_results = [
-        {"attack": attack, "byzantine": f, "accuracy": train_run(data, config, default, attack, f)}
+    default_accuracy = {
+        (attack, f): train_run(data, config, default, attack, f, screening=screening)
         for f in config.byzantine
         for attack in config.attacks
+    }
+    default_results = [
+        {"attack": attack, "byzantine": f, "accuracy": acc}
+        for (attack, f), acc in default_accuracy.items()
     ]
+    worst = {
+        f: min(acc for (_, g), acc in default_accuracy.items() if g == f) for f in config.byzantine
+    }
     return {
         "honest_accuracy": honest,
         "default_rule": default.rule,
-        "default_rule_config": dict(default.config),
+        "default_rule_config": dict(default.config) or "rule defaults",
+        "default_screening": {
+            "max_norm_ratio": screening.max_norm_ratio,
+            "min_cosine": screening.min_cosine,
+        },
         "default_rule_results": default_results,
+        "default_rule_worst_drop": {str(f): honest - acc for f, acc in worst.items()},
         "results": results,
         "rule_settings": {rule: RULE_SETTINGS.get(rule, {}) for rule in config.rules},
         "config": {k: v for k, v in asdict(config).items() if k != "default_rule"},
@@ -272,11 +291,16 @@ def write_heatmap(report: dict[str, Any], path: Path, byzantine_counts: Sequence
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(dict.fromkeys(r["rule"] for r in report["results"]))
+    rows = list(dict.fromkeys((r["rule"], r["screened"]) for r in report["results"]))
     columns = list(dict.fromkeys(r["attack"] for r in report["results"] if r["attack"] != "none"))
     figure, axes = plt.subplots(
-        1, len(byzantine_counts), figsize=(6.5 * len(byzantine_counts), 4.2), squeeze=False
+        1,
+        len(byzantine_counts),
+        figsize=(1.5 + 5.5 * len(byzantine_counts), 6.0),
+        squeeze=False,
+        sharey=True,
     )
+    labels = [f"{rule} + screening" if screened else rule for rule, screened in rows]
     for axis, f in zip(axes[0], byzantine_counts, strict=True):
         grid = [
             [
@@ -284,23 +308,28 @@ def write_heatmap(report: dict[str, Any], path: Path, byzantine_counts: Sequence
                     (
                         r["accuracy"]
                         for r in report["results"]
-                        if r["rule"] == rule and r["attack"] == attack and r["byzantine"] == f
+                        if (r["rule"], r["screened"]) == row
+                        and r["attack"] == attack
+                        and r["byzantine"] == f
                     ),
                     float("nan"),
                 )
                 for attack in columns
             ]
-            for rule in rows
+            for row in rows
         ]
         image = axis.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
         axis.set_xticks(range(len(columns)), columns, rotation=35, ha="right")
-        axis.set_yticks(range(len(rows)), rows)
+        axis.set_yticks(range(len(rows)), labels)
         axis.set_title(f"{f} of {report['config']['workers']} Byzantine")
         for i, line in enumerate(grid):
             for j, value in enumerate(line):
                 axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
     figure.colorbar(image, ax=axes[0].tolist(), label="test accuracy")
-    figure.suptitle(f"digits MLP, DiLoCo; honest accuracy {report['honest_accuracy']:.3f}")
+    figure.suptitle(
+        f"digits MLP, 10 DiLoCo workers; honest accuracy {report['honest_accuracy']:.3f}; "
+        f"default: {report['default_rule']} + screening"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
