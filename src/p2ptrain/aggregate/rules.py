@@ -37,13 +37,12 @@ from p2ptrain.aggregate.cohort import (
     Failure,
 )
 from p2ptrain.aggregate.rules_basic import (
+    RuleBase,
     TrimmedSpans,
     Verdict,
     WeightedSpans,
     Workspace,
     check_float_setting,
-    no_aggregate,
-    prepare,
     result,
     shares,
     stream_pass,
@@ -119,27 +118,20 @@ class MedianConfig:
     """The coordinate-wise median takes no settings."""
 
 
-class Mean:
+class Mean(RuleBase[MeanConfig]):
     """Weighted mean ``sum_i (w_i / W) u_i``: coefficients in float64, rounded to float32,
     then multiplied and added in update-id order (as :func:`~.exact.weighted_sum`)."""
 
     name = "mean"
 
-    def __init__(self, config: MeanConfig | None = None) -> None:
-        self.config = config or MeanConfig()
-        self._workspace = Workspace()
+    empty_reason = "mean: no contributions to aggregate"
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> MeanConfig:
+        return MeanConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
-        if not ordered:
-            return no_aggregate(ordered, failures, "mean: no contributions to aggregate")
         coefficients = shares([c.weight for c in ordered])
         combiner = WeightedSpans(range(len(ordered)), coefficients, self._workspace)
         vectors = [c.vector for c in ordered]
@@ -179,7 +171,7 @@ def _trimmed(
     )
 
 
-class TrimmedMean:
+class TrimmedMean(RuleBase[TrimmedMeanConfig]):
     """Coordinate-wise trimmed mean: per coordinate, sort, drop ``floor(beta n)`` values
     from each side, add the rest in ascending order and divide by their count. Unweighted:
     every update carries the same weight by protocol design (the manifest fixes the lease
@@ -187,48 +179,34 @@ class TrimmedMean:
 
     name = "trimmed_mean"
 
-    def __init__(self, config: TrimmedMeanConfig | None = None) -> None:
-        self.config = config or TrimmedMeanConfig()
-        self._workspace = Workspace()
+    empty_reason = "trimmed_mean: no contributions"
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> TrimmedMeanConfig:
+        return TrimmedMeanConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
         n = len(ordered)
-        if not n:
-            return no_aggregate(ordered, failures, "trimmed_mean: no contributions")
         trim = math.floor(self.config.beta * n)
         reason = f"trimmed_mean: dropped {trim} of {n} values per side (beta {self.config.beta})"
         return _trimmed(ordered, failures, trim, reason=reason, workspace=self._workspace, out=out)
 
 
-class Median:
+class Median(RuleBase[MedianConfig]):
     """Coordinate-wise median, unweighted (see :class:`TrimmedMean`); for an even count,
     the midpoint ``(a + b) * 0.5`` of the two middle values."""
 
     name = "median"
 
-    def __init__(self, config: MedianConfig | None = None) -> None:
-        self.config = config or MedianConfig()
-        self._workspace = Workspace()
+    empty_reason = "median: no contributions"
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> MedianConfig:
+        return MedianConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
-        if not ordered:
-            return no_aggregate(ordered, failures, "median: no contributions")
         reason = f"median: coordinate-wise median of {len(ordered)} updates"
         trim = (len(ordered) - 1) // 2
         return _trimmed(ordered, failures, trim, reason=reason, workspace=self._workspace, out=out)

@@ -19,7 +19,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -425,3 +425,41 @@ def check_float_setting(
     if not ok:
         interval = f"{'[' if low_included else '('}{low}, {high})"
         raise LocalError(f"aggregation.config.{key} must be a number in {interval}, got {value!r}")
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+class RuleBase(Generic[ConfigT]):
+    """What every rule shares: a frozen config (the rule's default when none is given), a
+    private :class:`Workspace` reused across windows (so an instance is not thread-safe),
+    and :meth:`aggregate`, which sorts and checks the cohort before the rule's own
+    :meth:`_aggregate`. ``empty_reason`` answers an empty cohort, unless it is None."""
+
+    name: str
+    empty_reason: ClassVar[str | None]
+
+    def __init__(self, config: ConfigT | None = None) -> None:
+        self.config: ConfigT = self.default_config() if config is None else config
+        self._workspace = Workspace()
+
+    def default_config(self) -> ConfigT:
+        raise NotImplementedError
+
+    def aggregate(
+        self,
+        contributions: Sequence[Contribution],
+        failures: Sequence[Failure] = (),
+        *,
+        out: torch.Tensor | None = None,
+    ) -> AggregationResult:
+        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
+        ordered = prepare(contributions, failures, out)
+        if not ordered and self.empty_reason is not None:
+            return no_aggregate(ordered, failures, self.empty_reason)
+        return self._aggregate(ordered, failures, out)
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
+    ) -> AggregationResult:
+        raise NotImplementedError

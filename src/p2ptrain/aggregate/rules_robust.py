@@ -26,6 +26,7 @@ from p2ptrain.aggregate.cohort import (
 from p2ptrain.aggregate.rules_basic import (
     SPAN,
     RowSums,
+    RuleBase,
     TrimmedSpans,
     Verdict,
     WeightedSpans,
@@ -34,7 +35,6 @@ from p2ptrain.aggregate.rules_basic import (
     check_int_setting,
     float32,
     no_aggregate,
-    prepare,
     result,
     shares,
     stream_pass,
@@ -86,26 +86,21 @@ class KrumConfig:
             check_int_setting("m", self.m, 1, 1_000_000)
 
 
-class Krum:
+class Krum(RuleBase[KrumConfig]):
     """Multi-Krum: score each update by the sum of its ``n - f - 2`` smallest squared
     distances to the others (added smallest first), keep the ``m`` lowest scores (ties go
     to the smaller update id) and return their weighted mean."""
 
     name = "krum"
 
-    def __init__(self, config: KrumConfig | None = None) -> None:
-        self.config = config or KrumConfig()
-        self._workspace = Workspace()
+    empty_reason = None
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> KrumConfig:
+        return KrumConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
         n = len(ordered)
         f = (n - 3) // 2 if self.config.f is None else self.config.f
         if f < 0 or n < 2 * f + 3:
@@ -231,7 +226,7 @@ class ClipSpans:
         return None
 
 
-class CenteredClip:
+class CenteredClip(RuleBase[CenteredClipConfig]):
     """Centered clipping (Karimireddy et al. 2021) from the coordinate-wise median:
     ``v <- v + sum_i c_i clip(u_i - v)``, ``clip(x) = x min(1, tau / ||x||)``,
     ``c_i = w_i / W``. ``||x||`` is the exact float64 distance; the clip scale and ``c_i``
@@ -239,21 +234,14 @@ class CenteredClip:
 
     name = "centered_clip"
 
-    def __init__(self, config: CenteredClipConfig | None = None) -> None:
-        self.config = config or CenteredClipConfig()
-        self._workspace = Workspace()
+    empty_reason = "centered_clip: no contributions"
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> CenteredClipConfig:
+        return CenteredClipConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
-        if not ordered:
-            return no_aggregate(ordered, failures, "centered_clip: no contributions")
         vectors = [c.vector for c in ordered]
         buffers = _Iterates(vectors[0].numel(), out, self._workspace)
         centre = buffers.out
@@ -309,28 +297,21 @@ class GeometricMedianConfig:
         check_float_setting("tolerance", self.tolerance, 0.0)
 
 
-class GeometricMedian:
+class GeometricMedian(RuleBase[GeometricMedianConfig]):
     """Weighted geometric median by Weiszfeld's iteration: ``beta_i = w_i / max(d_i, eps)``,
     ``z <- sum_i (beta_i / sum(beta)) u_i`` with the coefficients in float64, then a
     float32 weighted sum; stops early when the exact float64 movement is small enough."""
 
     name = "geometric_median"
 
-    def __init__(self, config: GeometricMedianConfig | None = None) -> None:
-        self.config = config or GeometricMedianConfig()
-        self._workspace = Workspace()
+    empty_reason = "geometric_median: no contributions"
 
-    def aggregate(
-        self,
-        contributions: Sequence[Contribution],
-        failures: Sequence[Failure] = (),
-        *,
-        out: torch.Tensor | None = None,
+    def default_config(self) -> GeometricMedianConfig:
+        return GeometricMedianConfig()
+
+    def _aggregate(
+        self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        """Aggregate the cohort (into ``out`` when given: reuse one buffer across windows)."""
-        ordered = prepare(contributions, failures, out)
-        if not ordered:
-            return no_aggregate(ordered, failures, "geometric_median: no contributions")
         config, n = self.config, len(ordered)
         vectors = [c.vector for c in ordered]
         buffers = _Iterates(vectors[0].numel(), out, self._workspace)
