@@ -39,6 +39,8 @@ _CAST_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 class CastCodec:
     """Each tensor cast to a float dtype: ``fp32`` (lossless), ``fp16`` or ``bf16``."""
 
+    error_feedback = False
+
     name: str
 
     def __post_init__(self) -> None:
@@ -48,10 +50,6 @@ class CastCodec:
     @property
     def dtype(self) -> torch.dtype:
         return _CAST_DTYPES[self.name]
-
-    @property
-    def error_feedback(self) -> bool:
-        return False
 
     def settings(self) -> dict[str, int | float]:
         return {}
@@ -85,6 +83,9 @@ class CastCodec:
 class Int8Codec:
     """Blockwise absmax int8 quantisation: one float32 scale per ``block_size`` elements."""
 
+    name = "int8"
+    error_feedback = False
+
     block_size: int = 256
 
     def __post_init__(self) -> None:
@@ -92,14 +93,6 @@ class Int8Codec:
             raise LocalError(
                 f"codec.config.block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}"
             )
-
-    @property
-    def name(self) -> str:
-        return "int8"
-
-    @property
-    def error_feedback(self) -> bool:
-        return False
 
     def settings(self) -> dict[str, int | float]:
         return {"block_size": self.block_size}

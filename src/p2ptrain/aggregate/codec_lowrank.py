@@ -81,19 +81,14 @@ class _PowerIteration:
 class LowRankCodec:
     """Rank-``rank`` factors of every matrix, error feedback, raw vectors."""
 
+    name = "lowrank"
+    error_feedback = True
+
     rank: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_RANK:
             raise LocalError(f"codec.config.rank must be in [1, {MAX_RANK}], got {self.rank}")
-
-    @property
-    def name(self) -> str:
-        return "lowrank"
-
-    @property
-    def error_feedback(self) -> bool:
-        return True
 
     def settings(self) -> dict[str, int | float]:
         return {"rank": self.rank}

@@ -37,19 +37,14 @@ def _index_dtype(numel: int) -> torch.dtype:
 class TopKCodec:
     """Top-k sparsification with error feedback; ``fraction`` of each tensor is sent."""
 
+    name = "topk"
+    error_feedback = True
+
     fraction: float = 0.01
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
             raise LocalError(f"codec.config.fraction must be in (0, 1], got {self.fraction}")
-
-    @property
-    def name(self) -> str:
-        return "topk"
-
-    @property
-    def error_feedback(self) -> bool:
-        return True
 
     def settings(self) -> dict[str, int | float]:
         return {"fraction": self.fraction}

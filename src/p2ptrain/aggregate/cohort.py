@@ -21,7 +21,6 @@ CLIPPED = "clipped"  # entered the aggregate scaled down
 TRIMMED = "trimmed"  # some of its coordinates were dropped (trimmed mean, median)
 EXCLUDED = "excluded"  # left out of the aggregate by the rule (e.g. not chosen by Krum)
 FAILED = "failed"  # never reached the rule (fetch, decode or screening failure)
-STATUSES = (SELECTED, CLIPPED, TRIMMED, EXCLUDED, FAILED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ may depend on thread count, SIMD width or input order:
   Multiply and add are always separate calls -- never ``addcmul``/``add(alpha=...)``, which
   may be fused into one FMA rounding on some machines.
 * **Reductions that feed a decision** (norms, dot products, distances) are accumulated in
-  float64 by :func:`tree_sum` (a difference is rounded once to float32, then squared
+  float64 by :func:`_reduce` (a difference is rounded once to float32, then squared
   exactly in float64): a pairwise tree whose shape depends only on the length,
   built from elementwise adds. torch's own ``sum`` splits work by thread count and vector
   width, so its last bits can differ between machines; it is never used for a decision.
@@ -20,7 +20,7 @@ may depend on thread count, SIMD width or input order:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -67,17 +67,6 @@ def _reduce(n: int, fill: Callable[[int, int, torch.Tensor], None]) -> float:
         fill(start, end, buffer[: end - start])
         partial[index] = _halve_to_one(buffer)
     return _halve_to_one(partial)
-
-
-def tree_sum(values: torch.Tensor) -> float:
-    """The sum of a 1-D float64 tensor, in the fixed order of :func:`_reduce`."""
-    if values.dtype != torch.float64 or values.dim() != 1:
-        raise LocalError("tree_sum takes a 1-D float64 tensor")
-
-    def fill(start: int, end: int, out: torch.Tensor) -> None:
-        out.copy_(values[start:end])
-
-    return _reduce(values.numel(), fill)
 
 
 def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -144,22 +133,3 @@ def unflatten(vector: torch.Tensor, like: Tensors) -> dict[str, torch.Tensor]:
     if offset != vector.numel():
         raise LocalError(f"vector has {vector.numel()} values, the tensors hold {offset}")
     return out
-
-
-def weighted_sum(vectors: Sequence[torch.Tensor], coefficients: Iterable[float]) -> torch.Tensor:
-    """``sum_i c_i * v_i`` in list order, float32, separate multiply and add, in cache-sized
-    chunks (one pass over each input). ``c_i`` are rounded to float32 first."""
-    coefficients = [float(torch.tensor(c, dtype=torch.float32)) for c in coefficients]
-    if len(coefficients) != len(vectors) or not vectors:
-        raise LocalError("weighted_sum needs one coefficient per vector, and some vectors")
-    total = torch.empty_like(vectors[0], dtype=torch.float32)
-    scratch = torch.empty(min(CHUNK, total.numel()), dtype=torch.float32)
-    for start in range(0, total.numel(), CHUNK):
-        end = min(start + CHUNK, total.numel())
-        acc = total[start:end]
-        tmp = scratch[: end - start]
-        torch.mul(vectors[0][start:end], coefficients[0], out=acc)
-        for vector, c in zip(vectors[1:], coefficients[1:], strict=True):
-            torch.mul(vector[start:end], c, out=tmp)
-            torch.add(acc, tmp, out=acc)
-    return total

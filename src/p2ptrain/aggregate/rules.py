@@ -118,16 +118,13 @@ class MedianConfig:
     """The coordinate-wise median takes no settings."""
 
 
-class Mean(RuleBase[MeanConfig]):
+class Mean(RuleBase[MeanConfig], config=MeanConfig):
     """Weighted mean ``sum_i (w_i / W) u_i``: coefficients in float64, rounded to float32,
-    then multiplied and added in update-id order (as :func:`~.exact.weighted_sum`)."""
+    then multiplied and added in update-id order (:class:`WeightedSpans`)."""
 
     name = "mean"
 
     empty_reason = "mean: no contributions to aggregate"
-
-    def default_config(self) -> MeanConfig:
-        return MeanConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
@@ -171,7 +168,7 @@ def _trimmed(
     )
 
 
-class TrimmedMean(RuleBase[TrimmedMeanConfig]):
+class TrimmedMean(RuleBase[TrimmedMeanConfig], config=TrimmedMeanConfig):
     """Coordinate-wise trimmed mean: per coordinate, sort, drop ``floor(beta n)`` values
     from each side, add the rest in ascending order and divide by their count. Unweighted:
     every update carries the same weight by protocol design (the manifest fixes the lease
@@ -180,9 +177,6 @@ class TrimmedMean(RuleBase[TrimmedMeanConfig]):
     name = "trimmed_mean"
 
     empty_reason = "trimmed_mean: no contributions"
-
-    def default_config(self) -> TrimmedMeanConfig:
-        return TrimmedMeanConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
@@ -193,16 +187,13 @@ class TrimmedMean(RuleBase[TrimmedMeanConfig]):
         return _trimmed(ordered, failures, trim, reason=reason, workspace=self._workspace, out=out)
 
 
-class Median(RuleBase[MedianConfig]):
+class Median(RuleBase[MedianConfig], config=MedianConfig):
     """Coordinate-wise median, unweighted (see :class:`TrimmedMean`); for an even count,
     the midpoint ``(a + b) * 0.5`` of the two middle values."""
 
     name = "median"
 
     empty_reason = "median: no contributions"
-
-    def default_config(self) -> MedianConfig:
-        return MedianConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -183,8 +183,7 @@ def stream_pass(
 
 class WeightedSpans:
     """``sum_i c_i * rows[i]`` over the chosen rows, in their order, with each ``c_i``
-    rounded to float32 and separate multiply and add: the same bits as
-    :func:`p2ptrain.aggregate.exact.weighted_sum`."""
+    rounded to float32 and separate multiply and add."""
 
     def __init__(
         self, indices: Sequence[int], coefficients: Sequence[float], workspace: Workspace
@@ -434,17 +433,21 @@ class RuleBase(Generic[ConfigT]):
     """What every rule shares: a frozen config (the rule's default when none is given), a
     private :class:`Workspace` reused across windows (so an instance is not thread-safe),
     and :meth:`aggregate`, which sorts and checks the cohort before the rule's own
-    :meth:`_aggregate`. ``empty_reason`` answers an empty cohort, unless it is None."""
+    :meth:`_aggregate`. ``empty_reason`` answers an empty cohort, unless it is None.
+    A rule names its config class once: ``class Mean(RuleBase[MeanConfig], config=MeanConfig)``.
+    """
 
     name: str
     empty_reason: ClassVar[str | None]
+    _default_config: ClassVar[Callable[[], Any]]
+
+    def __init_subclass__(cls, *, config: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._default_config = config
 
     def __init__(self, config: ConfigT | None = None) -> None:
-        self.config: ConfigT = self.default_config() if config is None else config
+        self.config: ConfigT = type(self)._default_config() if config is None else config
         self._workspace = Workspace()
-
-    def default_config(self) -> ConfigT:
-        raise NotImplementedError
 
     def aggregate(
         self,

@@ -86,7 +86,7 @@ class KrumConfig:
             check_int_setting("m", self.m, 1, 1_000_000)
 
 
-class Krum(RuleBase[KrumConfig]):
+class Krum(RuleBase[KrumConfig], config=KrumConfig):
     """Multi-Krum: score each update by the sum of its ``n - f - 2`` smallest squared
     distances to the others (added smallest first), keep the ``m`` lowest scores (ties go
     to the smaller update id) and return their weighted mean."""
@@ -94,9 +94,6 @@ class Krum(RuleBase[KrumConfig]):
     name = "krum"
 
     empty_reason = None
-
-    def default_config(self) -> KrumConfig:
-        return KrumConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
@@ -226,7 +223,7 @@ class ClipSpans:
         return None
 
 
-class CenteredClip(RuleBase[CenteredClipConfig]):
+class CenteredClip(RuleBase[CenteredClipConfig], config=CenteredClipConfig):
     """Centered clipping (Karimireddy et al. 2021) from the coordinate-wise median:
     ``v <- v + sum_i c_i clip(u_i - v)``, ``clip(x) = x min(1, tau / ||x||)``,
     ``c_i = w_i / W``. ``||x||`` is the exact float64 distance; the clip scale and ``c_i``
@@ -235,9 +232,6 @@ class CenteredClip(RuleBase[CenteredClipConfig]):
     name = "centered_clip"
 
     empty_reason = "centered_clip: no contributions"
-
-    def default_config(self) -> CenteredClipConfig:
-        return CenteredClipConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
@@ -297,7 +291,7 @@ class GeometricMedianConfig:
         check_float_setting("tolerance", self.tolerance, 0.0)
 
 
-class GeometricMedian(RuleBase[GeometricMedianConfig]):
+class GeometricMedian(RuleBase[GeometricMedianConfig], config=GeometricMedianConfig):
     """Weighted geometric median by Weiszfeld's iteration: ``beta_i = w_i / max(d_i, eps)``,
     ``z <- sum_i (beta_i / sum(beta)) u_i`` with the coefficients in float64, then a
     float32 weighted sum; stops early when the exact float64 movement is small enough."""
@@ -305,9 +299,6 @@ class GeometricMedian(RuleBase[GeometricMedianConfig]):
     name = "geometric_median"
 
     empty_reason = "geometric_median: no contributions"
-
-    def default_config(self) -> GeometricMedianConfig:
-        return GeometricMedianConfig()
 
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None

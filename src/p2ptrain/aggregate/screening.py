@@ -86,10 +86,10 @@ def screen_cohort(
         else:
             vectors[candidate.update_id] = flatten(candidate.tensors)
     norms = {update_id: norm64(vector) for update_id, vector in vectors.items()}
-    in_range = _norm_screen(norms, spec.max_norm_ratio, verdicts)
+    median_norm = statistics.median(norms.values()) if norms else 0.0
+    in_range = _norm_screen(norms, median_norm, spec.max_norm_ratio, verdicts)
     centre = _robust_centre([vectors[i] for i in in_range])
     centre_norm = norm64(centre) if centre is not None else 0.0
-    median_norm = statistics.median(norms.values()) if norms else 0.0
     for update_id in in_range:
         ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
         if centre is None or centre_norm == 0.0 or norms[update_id] == 0.0:
@@ -117,13 +117,10 @@ def screen_cohort(
 
 
 def _norm_screen(
-    norms: dict[str, float], max_ratio: float, verdicts: dict[str, Verdict]
+    norms: dict[str, float], median: float, max_ratio: float, verdicts: dict[str, Verdict]
 ) -> list[str]:
-    """Ids whose norm is within ``max_ratio`` of the median, in id order; the rest get a
+    """Ids whose norm is within ``max_ratio`` of ``median``, in id order; the rest get a
     rejecting verdict."""
-    if not norms:
-        return []
-    median = statistics.median(norms.values())
     passed: list[str] = []
     for update_id in sorted(norms):
         norm = norms[update_id]

@@ -98,11 +98,15 @@ class BatchedMLP:
         self.size = sum(math.prod(shape) for shape in self.shapes)
 
     def initial_vector(self, seed: int) -> torch.Tensor:
-        """One model's parameters, initialised like ``nn.Linear``, as a flat vector."""
+        """One model's parameters, initialised like ``nn.Linear``, as a flat vector: weight
+        and bias uniform in +-1/sqrt(fan_in) of their layer."""
         generator = torch.Generator().manual_seed(seed)
         parts = []
+        fan_in = 0
         for shape in self.shapes:
-            bound = 1.0 / math.sqrt(shape[0] if len(shape) == 2 else self.shapes[0][1])
+            if len(shape) == 2:  # a weight (in, out); its bias follows with the same fan-in
+                fan_in = shape[0]
+            bound = 1.0 / math.sqrt(fan_in)
             parts.append((torch.rand(shape, generator=generator) * 2 - 1).mul(bound).reshape(-1))
         return torch.cat(parts)
 

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from p2ptrain.cli.usage import show_usage
+
 
 def add_parsers(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -54,12 +56,7 @@ def add_parsers(commands: Any) -> None:
     aggregate.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
     aggregate.add_argument("--json", action="store_true", help="print one JSON object")
     aggregate.set_defaults(handler=run_aggregate)
-    bench.set_defaults(handler=lambda _args: _usage(bench))
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
+    bench.set_defaults(handler=lambda _args: show_usage(bench))
 
 
 def _emit(result: dict[str, Any], as_json: bool) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from p2ptrain.cli.usage import show_usage
 from p2ptrain.core.envelope import open_envelope, seal
 from p2ptrain.core.experiment_config import experiment_from_toml
 from p2ptrain.core.manifests import ExperimentManifest
@@ -52,12 +53,7 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     show.add_argument("manifest", help="signed manifest written by `experiment create`")
     show.set_defaults(handler=run_show)
-    experiment.set_defaults(handler=lambda _args: _usage(experiment))
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
+    experiment.set_defaults(handler=lambda _args: show_usage(experiment))
 
 
 def _read(path: str) -> bytes:
