@@ -13,6 +13,10 @@ STAMP := $(VENV)/.p2ptrain-installed
 .PHONY: test lint types unit demo bench clean
 
 $(STAMP): pyproject.toml
+	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
+		echo "installing gcc: the aggregation kernel is compiled on first use"; \
+		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
+		echo "warning: no C compiler; aggregation will use the slower torch path"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)

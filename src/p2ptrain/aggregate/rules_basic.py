@@ -19,10 +19,11 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from p2ptrain.aggregate import native
 from p2ptrain.aggregate.cohort import (
     EXCLUDED,
     FAILED,
@@ -99,8 +100,31 @@ class RowSums:
         self.tail = min(TAIL, self.width, 1 << (affordable.bit_length() - 1))
         partial = workspace.get("row_sums.partial", rows * blocks * self.tail, torch.float64)
         self._partial = partial.view(rows, blocks, self.tail).zero_()
-        scratch = workspace.get("row_sums.scratch", batch_rows * self.span, torch.float64)
-        self._scratch = scratch.view(batch_rows, self.span)
+        self._batch_rows, self._workspace = batch_rows, workspace
+        self._scratch_rows: torch.Tensor | None = None
+
+    @property
+    def _scratch(self) -> torch.Tensor:
+        if self._scratch_rows is None:
+            size = self._batch_rows * self.span
+            scratch = self._workspace.get("row_sums.scratch", size, torch.float64)
+            self._scratch_rows = scratch.view(self._batch_rows, self.span)
+        return self._scratch_rows
+
+    def fill_natively(
+        self,
+        rows: list[torch.Tensor | None],
+        combine: native.Weighted | native.Trimmed | None,
+        aggregate: torch.Tensor,
+        span: tuple[int, int] | None = None,
+    ) -> bool:
+        """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
+        (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
+        when it is given; False (nothing done) when the kernel cannot take them."""
+        if self.width != CHUNK or len(rows) != self._partial.shape[0]:
+            return False
+        blocks = None if span is None else (span[0] // CHUNK, -(-span[1] // CHUNK))
+        return native.stream_pass(rows, combine, aggregate, self._partial, CHUNK, blocks=blocks)
 
     def _blocks(self, start: int, end: int) -> int:
         return -(-(end - start) // self.width)  # ceiling division
@@ -144,6 +168,15 @@ class SpanCombiner(Protocol):
         ...
 
 
+@runtime_checkable
+class NativeCombiner(Protocol):
+    """A combiner the C kernel can also compute (with the same bits)."""
+
+    def native(self) -> native.Weighted | native.Trimmed | None:
+        """The kernel's description of this combination, or None if it cannot run it."""
+        ...
+
+
 def stream_pass(
     vectors: Sequence[torch.Tensor],
     combiner: SpanCombiner,
@@ -160,10 +193,17 @@ def stream_pass(
     aggregate = torch.empty(length, dtype=torch.float32) if out is None else out
     rows = n + len(references)
     sums = RowSums(rows, length, rows, workspace)
+    native_combine = combiner.native() if isinstance(combiner, NativeCombiner) else None
+    if native_combine is not None and sums.fill_natively(
+        [*vectors, *references], native_combine, aggregate
+    ):
+        return aggregate, sums.totals()
     for start in range(0, length, sums.span):
         end = min(start + sums.span, length)
         span = aggregate[start:end]
         stack = combiner.combine(start, [v[start:end] for v in vectors], span)
+        if sums.fill_natively([*vectors, *references], None, aggregate, (start, end)):
+            continue
         terms = sums.terms(start, end, rows)
         # float32 differences (one rounding each), widened to float64 as they are written
         if stack is not None:
@@ -193,6 +233,9 @@ class WeightedSpans:
         self.indices = list(indices)
         self.coefficients = [float32(c) for c in coefficients]
         self._scratch = workspace.get("weighted.scratch", SPAN, torch.float32)
+
+    def native(self) -> native.Weighted:
+        return native.Weighted(list(zip(self.indices, self.coefficients, strict=True)))
 
     def combine(
         self, start: int, rows: Sequence[torch.Tensor], out: torch.Tensor
@@ -257,6 +300,11 @@ class TrimmedSpans:
             self._network = sorting_network(n, trim, n - 1 - trim)
         else:
             self._indices = workspace.get("trimmed.indices", n * SPAN, torch.int64)
+
+    def native(self) -> native.Trimmed | None:
+        if self._network is None:
+            return None
+        return native.Trimmed(self.n, self.trim, self._network, self.dropped)
 
     def combine(
         self, start: int, rows: Sequence[torch.Tensor], out: torch.Tensor

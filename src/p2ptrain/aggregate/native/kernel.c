@@ -1,0 +1,171 @@
+/*
+ * One streamed pass of an aggregation rule, in C: optionally the aggregate itself -- the
+ * weighted combination of chosen rows (float32, a separate multiply and add per row, in the
+ * given order) or the coordinate-wise trimmed mean (rules_basic.TrimmedSpans: the same
+ * sorting network, adds in rank order, one division) -- then the
+ * float64 squared distance from every row to the aggregate, summed in exactly the tree of
+ * p2ptrain.aggregate.rules_basic.RowSums. The Python side (native/__init__.py) owns the
+ * contract; this file must give the same bits as the torch code it replaces:
+ *
+ *   - every float32 operation is one IEEE-754 rounding (no contraction: -ffp-contract=off,
+ *     never -ffast-math), so vector width and compiler do not change a single bit;
+ *   - a difference is rounded once to float32 and squared exactly in float64;
+ *   - each CHUNK block of squares is halved (x[i] += x[i + h]) down to `tail` values. That
+ *     strided tree is the contiguous pairwise tree over the block's slices of `tail` values
+ *     taken in bit-reversed order, which a binary counter builds while streaming the slices.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 65536
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
+
+static int64_t bit_reverse(int64_t value, int bits) {
+    int64_t result = 0;
+    for (int b = 0; b < bits; b++) {
+        result = (result << 1) | ((value >> b) & 1);
+    }
+    return result;
+}
+
+enum { GIVEN = 0, WEIGHTED = 1, TRIMMED = 2 };
+
+/* The trimmed mean of rows 0..n-1 over `valid` coordinates at `offset`, into agg; per row,
+ * the coordinates outside the kept range are added to dropped[row]. */
+static inline void trimmed_slice(const float *const *rows, int64_t n, const int64_t *pairs,
+                                 int64_t n_pairs, int64_t trim, int64_t *dropped,
+                                 float *wires, int64_t tail, int64_t offset, int64_t valid,
+                                 float *agg) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = rows[i] + offset;
+        float *wire = wires + i * tail;
+        for (int64_t j = 0; j < valid; j++) wire[j] = row[j] + 0.0f; /* -0.0 becomes +0.0 */
+    }
+    for (int64_t p = 0; p < n_pairs; p++) {
+        float *a = wires + pairs[2 * p] * tail;
+        float *b = wires + pairs[2 * p + 1] * tail;
+        for (int64_t j = 0; j < valid; j++) {
+            const float x = a[j], y = b[j];
+            a[j] = y < x ? y : x;
+            b[j] = y < x ? x : y;
+        }
+    }
+    const int64_t kept = n - 2 * trim;
+    const float *first = wires + trim * tail;
+    if (kept == 1) {
+        for (int64_t j = 0; j < valid; j++) agg[j] = first[j];
+    } else {
+        const float *second = first + tail;
+        for (int64_t j = 0; j < valid; j++) agg[j] = first[j] + second[j];
+        for (int64_t rank = trim + 2; rank < n - trim; rank++) {
+            const float *wire = wires + rank * tail;
+            for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] + wire[j];
+        }
+        const float divisor = (float)kept;
+        for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] / divisor;
+    }
+    if (trim == 0) return;
+    const float *low = first;
+    const float *high = wires + (n - 1 - trim) * tail;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = rows[i] + offset;
+        int64_t count = 0;
+        for (int64_t j = 0; j < valid; j++) count += (row[j] < low[j]) + (row[j] > high[j]);
+        dropped[i] += count;
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing written).
+ * mode GIVEN: `aggregate` is read; WEIGHTED: sum_k coefficients[k] * rows[combine[k]];
+ * TRIMMED: rows 0..n_combine-1 sorted per coordinate by the comparators `pairs`, `trim`
+ * dropped from each side, the drops counted into dropped[0..n_combine-1]. */
+MULTIVERSION
+int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
+                    const int64_t *combine_index, const float *coefficients, int64_t n_combine,
+                    const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
+                    float *aggregate, int64_t length, int64_t block_begin, int64_t block_end,
+                    int64_t tail, double *partial, int64_t partial_blocks) {
+    const int64_t slices = CHUNK / tail;
+    int bits = 0;
+    while (((int64_t)1 << bits) < slices) bits++;
+    const int levels = bits + 1;
+    /* per row: `levels` pending partial sums of `tail` values; then one slice of squares */
+    double *stack = malloc(sizeof(double) * (size_t)(n_rows * levels + 1) * (size_t)tail);
+    float *zeros = calloc((size_t)tail, sizeof(float));
+    if (stack == NULL || zeros == NULL) {
+        free(stack);
+        free(zeros);
+        return -1;
+    }
+    double *square = stack + n_rows * levels * tail;
+    float *wires = NULL;
+    if (mode == TRIMMED) {
+        wires = malloc(sizeof(float) * (size_t)(n_combine * tail));
+        if (wires == NULL) {
+            free(stack);
+            free(zeros);
+            return -1;
+        }
+    }
+
+    for (int64_t block = block_begin; block < block_end; block++) {
+        const int64_t block_start = block * CHUNK;
+        for (int64_t r = 0; r < slices; r++) {
+            const int64_t offset = block_start + bit_reverse(r, bits) * tail;
+            int64_t valid = length - offset;
+            if (valid > tail) valid = tail;
+            if (valid < 0) valid = 0;
+            float *agg = aggregate + offset;
+            if (mode == TRIMMED && valid > 0) {
+                trimmed_slice(rows, n_combine, pairs, n_pairs, trim, dropped, wires, tail,
+                              offset, valid, agg);
+            } else if (mode == WEIGHTED && valid > 0) {
+                const float *first = rows[combine_index[0]] + offset;
+                const float c0 = coefficients[0];
+                for (int64_t j = 0; j < valid; j++) agg[j] = first[j] * c0;
+                for (int64_t k = 1; k < n_combine; k++) {
+                    const float *row = rows[combine_index[k]] + offset;
+                    const float c = coefficients[k];
+                    for (int64_t j = 0; j < valid; j++) {
+                        const float product = row[j] * c;
+                        agg[j] = agg[j] + product;
+                    }
+                }
+            }
+            for (int64_t i = 0; i < n_rows; i++) {
+                const float *row = rows[i] == NULL ? zeros : rows[i] + offset;
+                for (int64_t j = 0; j < valid; j++) {
+                    const double d = (double)(row[j] - agg[j]);
+                    square[j] = d * d;
+                }
+                for (int64_t j = valid; j < tail; j++) square[j] = 0.0;
+                /* binary counter: merge equal-sized subtrees, left + right */
+                double *levels_of_row = stack + i * levels * tail;
+                int64_t count = r;
+                int level = 0;
+                while (count & 1) {
+                    double *left = levels_of_row + level * tail;
+                    for (int64_t j = 0; j < tail; j++) square[j] = left[j] + square[j];
+                    count >>= 1;
+                    level++;
+                }
+                memcpy(levels_of_row + level * tail, square, sizeof(double) * (size_t)tail);
+            }
+        }
+        for (int64_t i = 0; i < n_rows; i++) {
+            double *sum = stack + (i * levels + bits) * tail;
+            memcpy(partial + (i * partial_blocks + block) * tail, sum,
+                   sizeof(double) * (size_t)tail);
+        }
+    }
+    free(stack);
+    free(zeros);
+    free(wires);
+    return 0;
+}

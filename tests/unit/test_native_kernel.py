@@ -1,0 +1,139 @@
+"""The C kernel of the weighted pass (``p2ptrain.aggregate.native``) gives the bits of the
+torch code it replaces, and a machine that cannot build it falls back to that code."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.aggregate import native, rules_basic
+from p2ptrain.aggregate.cohort import Contribution
+from p2ptrain.aggregate.exact import CHUNK
+from p2ptrain.aggregate.rules import make_rule, rule_names
+from p2ptrain.aggregate.rules_basic import TrimmedSpans, WeightedSpans, Workspace, stream_pass
+from p2ptrain.core.manifests import AggregationSpec
+from tests.support.bit_exact_child import SEED, adversarial_vectors
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+
+
+def _torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "stream_pass", lambda *args, **kwargs: False)
+
+
+def _pass(
+    vectors: list[torch.Tensor], indices: list[int], coefficients: list[float]
+) -> tuple[bytes, list[str]]:
+    workspace = Workspace()
+    combiner = WeightedSpans(indices, coefficients, workspace)
+    aggregate, squares = stream_pass(vectors, combiner, workspace, [vectors[0], None])
+    return aggregate.numpy().tobytes(), [s.hex() for s in squares]
+
+
+@needs_compiler
+def test_the_kernel_builds_where_a_compiler_exists() -> None:
+    assert native.available()
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "length", [CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 17, 17 * CHUNK + 255, 40 * CHUNK + 3]
+)
+@pytest.mark.parametrize("budget", [rules_basic.PARTIAL_BUDGET, 64])
+def test_kernel_and_torch_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, length: int, budget: int
+) -> None:
+    """Partial last blocks, more blocks than one thread's task, and (with a small budget)
+    fewer tail values per block; a subset of the rows combined, out of order."""
+    monkeypatch.setattr(rules_basic, "PARTIAL_BUDGET", budget)
+    vectors = adversarial_vectors(SEED + length, count=4, length=length)
+    indices, coefficients = [3, 0, 2], [0.2, 0.3, 0.5]
+    taken: list[bool] = []
+    kernel = native.stream_pass
+
+    def recording(*args: object, **kwargs: object) -> bool:
+        taken.append(kernel(*args, **kwargs))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(native, "stream_pass", recording)
+    natively = _pass(vectors, indices, coefficients)
+    assert taken == [True], "the kernel did not take the pass"
+    _torch_only(monkeypatch)
+    assert natively == _pass(vectors, indices, coefficients), f"length={length} budget={budget}"
+
+
+@needs_compiler
+def test_every_rule_gives_the_same_result_with_and_without_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    generator = torch.Generator().manual_seed(SEED)
+    contributions = [
+        Contribution(f"{i:064x}", torch.randn(3 * CHUNK + 5, generator=generator), float(i + 1))
+        for i in range(7)
+    ]
+
+    def run() -> list[object]:
+        found: list[object] = []
+        for rule in rule_names():
+            result = make_rule(AggregationSpec(rule=rule)).aggregate(contributions)
+            assert result.aggregate is not None
+            found.append(result.aggregate.numpy().tobytes())
+            found.append([(d.status, d.distance, d.detail) for d in result.diagnostics])
+        return found
+
+    natively = run()
+    _torch_only(monkeypatch)
+    assert natively == run()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("n", "trim"), [(1, 0), (2, 0), (4, 1), (5, 2), (8, 3), (9, 2)])
+def test_trimmed_kernel_and_torch_give_the_same_bits_and_counts(
+    monkeypatch: pytest.MonkeyPatch, n: int, trim: int
+) -> None:
+    """Ties, -0.0 against +0.0, subnormals and a far-out update; odd and even counts,
+    medians ((n - 1) // 2 trimmed) included."""
+    vectors = adversarial_vectors(SEED + n, count=n, length=2 * CHUNK + 300)
+
+    def run() -> tuple[bytes, list[str], list[int]]:
+        workspace = Workspace()
+        combiner = TrimmedSpans(n, trim, workspace)
+        aggregate, squares = stream_pass(vectors, combiner, workspace, [None])
+        return aggregate.numpy().tobytes(), [s.hex() for s in squares], combiner.dropped.tolist()
+
+    natively = run()
+    _torch_only(monkeypatch)
+    assert natively == run(), f"n={n} trim={trim}"
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv("P2PTRAIN_CACHE", str(tmp_path))
+    native._library.cache_clear()
+    yield
+    native._library.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_library")
+def test_a_failing_compiler_falls_back_to_torch_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert not native.available()
+    assert "could not build the aggregation kernel" in caplog.text
+    assert "P2PTRAIN_NATIVE=0" in caplog.text
+    vectors = adversarial_vectors(SEED, count=2, length=CHUNK + 9)
+    assert len(_pass(vectors, [0, 1], [0.5, 0.5])[1]) == 4
+
+
+@pytest.mark.usefixtures("fresh_library")
+def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("P2PTRAIN_NATIVE", "0")
+    assert not native.available()
+    assert not any(tmp_path.iterdir()), "nothing is built when the kernel is off"
