@@ -171,14 +171,18 @@ class OuterOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
 
 class WindowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How long a window waits for updates and how many it takes."""
+    """How long a window waits for updates and how many it takes; ``proposal_s`` is each
+    proposer's slot after the deadline (the ranked reducers, then the ranked validators
+    falling back, see ``protocol.proposers``)."""
 
     deadline_s: float = 60.0
     min_updates: int = 1
     max_updates: int = 1000
+    proposal_s: float = 15.0
 
     def __post_init__(self) -> None:
         rules.check_float("window.deadline_s", self.deadline_s, 0.01, 86400.0)
+        rules.check_float("window.proposal_s", self.proposal_s, 0.01, 86400.0)
         rules.check_int("window.min_updates", self.min_updates, 1, 1_000_000)
         rules.check_int("window.max_updates", self.max_updates, self.min_updates, 1_000_000)
 

@@ -103,16 +103,25 @@ class Update(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A trainer excluded from windows up to and including ``until_window``."""
+    """A trainer's standing after a head: excluded from windows up to and including
+    ``until_window`` (0: not excluded), ``strikes`` rejected updates in a row since its last
+    accepted one or its last quarantine, ``offences`` quarantines so far (repeat offenders
+    stay out longer). A trainer with none of these has no entry."""
 
     peer_id: str
     until_window: int
     reason: str
+    strikes: int = 0
+    offences: int = 0
 
     def __post_init__(self) -> None:
         rules.check_hex_id("quarantine.peer_id", self.peer_id)
-        rules.check_int("quarantine.until_window", self.until_window, 1)
+        rules.check_int("quarantine.until_window", self.until_window, 0)
         rules.check_text("quarantine.reason", self.reason, 256)
+        rules.check_int("quarantine.strikes", self.strikes, 0, 1_000_000)
+        rules.check_int("quarantine.offences", self.offences, 0, 1_000_000)
+        if self.until_window == 0 and self.strikes == 0 and self.offences == 0:
+            raise InvalidRecord("quarantine", "an entry with no strikes, offences or exclusion")
 
 
 class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

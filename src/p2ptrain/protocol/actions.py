@@ -1,0 +1,123 @@
+"""What the window state machines ask their driver to do (the node or the simulator).
+
+The machines never touch sockets or clocks; they return these, and the driver carries them
+out: sends records, fetches what is missing, and tells the machine when it arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.records import Attestation, Head, Proposal, Update
+
+__all__ = [
+    "Action",
+    "Adopted",
+    "FetchChain",
+    "FetchState",
+    "FetchUpdates",
+    "Reported",
+    "SendAttestation",
+    "SendCertificate",
+    "SendProposal",
+    "SendUpdate",
+    "Train",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SendUpdate:
+    """A trainer's update and its blob, for the window's reducers and validators."""
+
+    update: Signed[Update]
+    blob: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendProposal:
+    """A proposal for the validators (they recompute it; blobs are fetched on demand)."""
+
+    proposal: Signed[Proposal]
+
+
+@dataclass(frozen=True, slots=True)
+class SendAttestation:
+    """An attestation for the validators and reducers (whoever gathers q assembles)."""
+
+    attestation: Signed[Attestation]
+
+
+@dataclass(frozen=True, slots=True)
+class SendCertificate:
+    """A newly assembled certificate and its head, for every peer."""
+
+    head: Head
+    certificate: QuorumCertificate
+
+
+@dataclass(frozen=True, slots=True)
+class FetchUpdates:
+    """Fetch these updates (records and blobs) from ``peer``, who named them."""
+
+    peer: bytes
+    update_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchState:
+    """Fetch the weights (and optimizer state) of ``head`` from ``peer``: it was certified
+    without us computing it."""
+
+    peer: bytes | None
+    head: Head
+    head_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FetchChain:
+    """Fetch the certified heads above ``after_height`` from ``peer`` (catch-up), and the
+    last one's weights."""
+
+    peer: bytes
+    after_height: int
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """The canonical head moved."""
+
+    head: Head
+    head_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """A peer misbehaved (counted against it)."""
+
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Train window ``window`` from the canonical head ``base_head`` on this lease."""
+
+    window: int
+    base_head: str
+
+
+Action = (
+    SendUpdate
+    | SendProposal
+    | SendAttestation
+    | SendCertificate
+    | FetchUpdates
+    | FetchState
+    | FetchChain
+    | Adopted
+    | Reported
+    | Train
+)

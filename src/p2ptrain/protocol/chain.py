@@ -1,0 +1,166 @@
+"""The certified head chain: genesis, adoption, and catch-up from untrusted peers.
+
+A head is canonical only with a quorum certificate that verifies against the manifest and
+names exactly that head. A node extends its chain one height at a time; a chain received
+from a peer (catch-up) is accepted only if every link verifies -- parent ids, heights,
+certificates -- and the final weights hash matches, so whoever answered need not be trusted.
+Two different certified heads at one height is a safety violation: the chain keeps the
+first and reports the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from p2ptrain.core.certificate import QuorumCertificate, Verdict
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.records import Head
+
+__all__ = ["CertifiedHead", "HeadChain", "genesis_head", "verify_link"]
+
+
+def genesis_head(manifest: ExperimentManifest, experiment_id: str | None = None) -> Head:
+    """Height 0: the manifest's genesis weights, no optimizer state, no updates."""
+    return Head(
+        experiment_id=manifest.id if experiment_id is None else experiment_id,
+        height=0,
+        parent=None,
+        weights_blob=manifest.genesis_weights,
+        optimizer_blob=None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CertifiedHead:
+    head: Head
+    head_id: str
+    certificate: QuorumCertificate | None  # None only for genesis
+
+
+def verify_link(
+    manifest: ExperimentManifest,
+    parent: tuple[str, int],
+    head: Head,
+    certificate: QuorumCertificate,
+    *,
+    experiment_id: str,
+) -> Verdict:
+    """Whether ``head`` with ``certificate`` is a valid certified child of the parent
+    ``(parent id, parent height)``."""
+    parent_id, parent_height = parent
+    head_id = head.id
+    if head.experiment_id != experiment_id:
+        return Verdict(False, "head is for another experiment")
+    if head.parent != parent_id or head.height != parent_height + 1:
+        return Verdict(
+            False,
+            f"head {head_id[:12]} at height {head.height} does not extend {parent_id[:12]} "
+            f"at height {parent_height}",
+        )
+    if certificate.head_id != head_id or certificate.height != head.height:
+        return Verdict(False, "certificate names another head or height")
+    verdict = certificate.verify(manifest)
+    if not verdict:
+        return Verdict(False, f"certificate does not verify: {verdict.reason}")
+    return Verdict(True, f"certified at height {head.height}: {verdict.reason}")
+
+
+class HeadChain:
+    """A node's view of the canonical chain (genesis first)."""
+
+    def __init__(self, manifest: ExperimentManifest) -> None:
+        self.manifest = manifest
+        self.experiment_id = manifest.id
+        genesis = genesis_head(manifest, self.experiment_id)
+        self._links = [CertifiedHead(genesis, genesis.id, None)]
+        self.conflicts: list[tuple[CertifiedHead, CertifiedHead]] = []
+
+    @property
+    def tip(self) -> CertifiedHead:
+        return self._links[-1]
+
+    @property
+    def height(self) -> int:
+        return self.tip.head.height
+
+    def at(self, height: int) -> CertifiedHead | None:
+        return self._links[height] if 0 <= height < len(self._links) else None
+
+    def links_after(self, height: int) -> list[tuple[Head, QuorumCertificate]]:
+        """The certified heads above ``height``, for a peer catching up."""
+        return [
+            (link.head, link.certificate)
+            for link in self._links[height + 1 :]
+            if link.certificate is not None
+        ]
+
+    def extend(self, head: Head, certificate: QuorumCertificate) -> Verdict:
+        """Adopt ``head`` if it is a certified child of the tip. A different certified head
+        at a height already held is recorded in :attr:`conflicts`."""
+        held = self.at(head.height)
+        if held is not None:
+            head_id = head.id
+            if held.head_id == head_id:
+                return Verdict(False, f"head at height {head.height} already adopted")
+            parent = self.at(head.height - 1)
+            if parent is not None and held.certificate is not None:
+                link = verify_link(
+                    self.manifest,
+                    (parent.head_id, parent.head.height),
+                    head,
+                    certificate,
+                    experiment_id=self.experiment_id,
+                )
+                if link:
+                    self.conflicts.append((held, CertifiedHead(head, head_id, certificate)))
+                    return Verdict(
+                        False, f"SAFETY: a second certified head at height {head.height}"
+                    )
+            return Verdict(False, f"height {head.height} is already certified")
+        tip = self.tip
+        verdict = verify_link(
+            self.manifest,
+            (tip.head_id, tip.head.height),
+            head,
+            certificate,
+            experiment_id=self.experiment_id,
+        )
+        if verdict:
+            self._links.append(CertifiedHead(head, head.id, certificate))
+        return verdict
+
+    def catch_up(
+        self,
+        links: Sequence[tuple[Head, QuorumCertificate]],
+        weights_ok: Callable[[Head], bool],
+    ) -> Verdict:
+        """Adopt a chain from an untrusted peer: every link must verify against our tip in
+        order, and ``weights_ok(last head)`` must confirm the fetched weights hash; on any
+        failure nothing is adopted."""
+        if not links:
+            return Verdict(False, "no heads to catch up with")
+        parent_id, parent_height = self.tip.head_id, self.tip.head.height
+        checked: list[CertifiedHead] = []
+        for head, certificate in links:
+            if head.height <= parent_height and not checked:
+                continue  # heads we hold already
+            verdict = verify_link(
+                self.manifest,
+                (parent_id, parent_height),
+                head,
+                certificate,
+                experiment_id=self.experiment_id,
+            )
+            if not verdict:
+                return Verdict(
+                    False, f"catch-up rejected at height {head.height}: {verdict.reason}"
+                )
+            checked.append(CertifiedHead(head, head.id, certificate))
+            parent_id, parent_height = checked[-1].head_id, head.height
+        if not checked:
+            return Verdict(False, "the peer's chain is not longer than ours")
+        if not weights_ok(checked[-1].head):
+            return Verdict(False, "catch-up rejected: the final weights do not match the head")
+        self._links.extend(checked)
+        return Verdict(True, f"caught up {len(checked)} heads to height {parent_height}")

@@ -1,0 +1,162 @@
+"""Following the certified chain: what every role does when a certificate arrives.
+
+A follower verifies each certified head against its chain (:class:`HeadChain`), then needs
+the head's weights (and outer-optimizer state) before it can build on it: it either computed
+them itself (a validator that reduced the same cohort) or fetches them from the peer that
+sent the certificate, checking their hashes against the head. A certificate more than one
+height ahead starts a catch-up from that peer, verified link by link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.identity import Identity, peer_id_of
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.records import Head
+from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
+from p2ptrain.errors import ProtocolViolation
+from p2ptrain.protocol.actions import Action, Adopted, FetchChain, FetchState, Reported
+from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.protocol.reduction import BaseState
+
+__all__ = ["Follower"]
+
+#: The largest weights or optimizer blob a follower decodes (4 GiB).
+MAX_STATE_BYTES = 4 << 30
+
+
+class Follower:
+    """The chain-following part shared by trainers, reducers and validators."""
+
+    def __init__(
+        self,
+        manifest: ExperimentManifest,
+        identity: Identity,
+        genesis_weights: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.manifest = manifest
+        self.identity = identity
+        self.key = identity.public_key
+        self.chain = HeadChain(manifest)
+        self.experiment_id = self.chain.experiment_id
+        self._schema_hash = schema_hash(genesis_weights)
+        tip = self.chain.tip
+        if sha256_hex(_encoded(genesis_weights)) != tip.head.weights_blob:
+            raise ProtocolViolation("the genesis weights do not match manifest.genesis_weights")
+        self.base = BaseState(tip.head, tip.head_id, dict(genesis_weights), None)
+        self._served: tuple[str, tuple[bytes, bytes | None]] | None = None
+
+    # --- what subclasses add -------------------------------------------------------------
+
+    def _known_state(self, head_id: str) -> BaseState | None:
+        """The state of ``head_id`` if this role computed it (validators, reducers)."""
+        return None
+
+    def _on_base(self, now: float) -> list[Action]:
+        """Called after :attr:`base` moved to a new canonical head."""
+        return []
+
+    # --- inputs --------------------------------------------------------------------------
+
+    def receive_certificate(
+        self, now: float, head: Head, certificate: QuorumCertificate, sender: bytes
+    ) -> list[Action]:
+        """A certified head from ``sender`` (anyone may relay one; only its certificate and
+        hashes are trusted)."""
+        height = self.chain.height
+        if head.height > height + 1:
+            return [FetchChain(sender, height)]
+        conflicts = len(self.chain.conflicts)
+        verdict = self.chain.extend(head, certificate)
+        if not verdict:
+            if head.height <= height and len(self.chain.conflicts) == conflicts:
+                return []  # a head we hold, relayed again
+            return [Reported(peer_id_of(sender), verdict.reason)]
+        head_id = self.chain.tip.head_id
+        known = self._known_state(head_id)
+        if known is not None:
+            return self._adopt(now, known, verdict.reason)
+        return [FetchState(sender, head, head_id)]
+
+    def receive_state(
+        self, now: float, head_id: str, weights_blob: bytes, optimizer_blob: bytes | None
+    ) -> list[Action]:
+        """The weights (and optimizer state) of the chain's tip, fetched from a peer."""
+        tip = self.chain.tip
+        if tip.head_id != head_id or self.base.head_id == head_id:
+            return []
+        state = self._decode_state(tip.head, head_id, weights_blob, optimizer_blob)
+        if isinstance(state, str):
+            return [Reported("state", state)]
+        return self._adopt(now, state, f"adopted height {tip.head.height}")
+
+    def receive_chain(
+        self,
+        now: float,
+        links: Sequence[tuple[Head, QuorumCertificate]],
+        weights_blob: bytes,
+        optimizer_blob: bytes | None,
+        sender: bytes,
+    ) -> list[Action]:
+        """A catch-up answer: the certified heads above ours and the last one's state."""
+        verdict = self.chain.catch_up(
+            links, weights_ok=lambda head: sha256_hex(weights_blob) == head.weights_blob
+        )
+        if not verdict:
+            return [Reported(peer_id_of(sender), verdict.reason)]
+        tip = self.chain.tip
+        state = self._decode_state(tip.head, tip.head_id, weights_blob, optimizer_blob)
+        if isinstance(state, str):
+            return [Reported(peer_id_of(sender), state)]
+        return self._adopt(now, state, verdict.reason)
+
+    def state_of(self, head_id: str) -> tuple[bytes, bytes | None] | None:
+        """The encoded weights and optimizer state of ``head_id``, if held (to serve a
+        peer's :class:`FetchState`); only the current base is kept."""
+        if head_id != self.base.head_id:
+            return None
+        if self._served is None or self._served[0] != head_id:
+            optimizer = self.base.optimizer_state
+            encoded = (
+                _encoded(self.base.weights),
+                None if optimizer is None else _encoded(optimizer),
+            )
+            self._served = (head_id, encoded)
+        return self._served[1]
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _decode_state(
+        self, head: Head, head_id: str, weights_blob: bytes, optimizer_blob: bytes | None
+    ) -> BaseState | str:
+        if sha256_hex(weights_blob) != head.weights_blob:
+            return "weights do not match the certified head's weights hash"
+        if (optimizer_blob is None) != (head.optimizer_blob is None) or (
+            optimizer_blob is not None and sha256_hex(optimizer_blob) != head.optimizer_blob
+        ):
+            return "optimizer state does not match the certified head"
+        try:
+            weights = decode_state_dict(
+                weights_blob, expected_schema=self._schema_hash, max_bytes=MAX_STATE_BYTES
+            )
+            optimizer = (
+                None
+                if optimizer_blob is None
+                else decode_state_dict(optimizer_blob, max_bytes=MAX_STATE_BYTES)
+            )
+        except ProtocolViolation as error:
+            return f"undecodable state: {error}"
+        return BaseState(head, head_id, weights, optimizer)
+
+    def _adopt(self, now: float, state: BaseState, reason: str) -> list[Action]:
+        self.base = state
+        return [Adopted(state.head, state.head_id, reason), *self._on_base(now)]
+
+
+def _encoded(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    return bytes(encode_state_dict(tensors))

@@ -1,0 +1,366 @@
+"""The reducer and validator window state machines (DESIGN §4 steps 4-7).
+
+A participant collects the updates of the open window (those built on its canonical head),
+and after the deadline walks the proposer slots (:mod:`.proposers`):
+
+* in its own slot it reduces its cohort -- the first ``max_updates`` updates that arrived
+  before the deadline -- and proposes the head (a validator also attests its own proposal);
+* a validator judges each proposal from a proposer whose slot has opened by recomputing the
+  proposal's cohort itself (fetching updates it lacks from the proposer); it attests the
+  first whose head, accepted and rejected sets and aggregate all match, and never attests
+  two heads at one height; a proposer caught with a wrong head is reported and, if a
+  reducer, dropped from the pool;
+* when the slots run out without a certificate they start over: a validator that voted
+  sends its attestation again (lost messages), one that did not judges again.
+
+Everyone counts attestations (:class:`AttestationBook`); q of them for one head make a
+certificate, sent to every peer. Decisions carry reasons; :meth:`statistics` sums them up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from p2ptrain.core.certificate import Verdict
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.envelope import Signed, seal
+from p2ptrain.core.identity import Identity, peer_id_of
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.protocol.actions import (
+    Action,
+    FetchUpdates,
+    Reported,
+    SendAttestation,
+    SendCertificate,
+    SendProposal,
+)
+from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.leases import LeaseBook
+from p2ptrain.protocol.proposers import proposer_order, slot_start
+from p2ptrain.protocol.quorum import AttestationBook
+from p2ptrain.protocol.reduction import (
+    BaseState,
+    Reduction,
+    Submission,
+    belongs_to_window,
+    reduce_window,
+)
+
+__all__ = ["Participant", "ParticipantStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantStatistics:
+    window: int
+    updates: int
+    proposals_judged: int
+    proposals_wrong: int
+    attested: str | None
+    dropped_reducers: int
+    equivocations: int
+    last_reason: str
+
+
+@dataclass
+class _Window:
+    base: BaseState
+    opened_at: float
+    order: tuple[bytes, ...]
+    updates: dict[str, Submission] = field(default_factory=dict)
+    arrival: list[str] = field(default_factory=list)  # update ids, first arrival first
+    before_deadline: int = 0
+    proposals: dict[bytes, Signed[Proposal]] = field(default_factory=dict)
+    judged: dict[bytes, Verdict] = field(default_factory=dict)
+    fetching: dict[bytes, frozenset[str]] = field(default_factory=dict)
+    proposed: bool = False
+    resent_in_slot: int = -1
+
+
+class Participant(Follower):
+    """A reducer (``validator=False``: proposes, never attests) or a validator."""
+
+    def __init__(
+        self,
+        manifest: ExperimentManifest,
+        identity: Identity,
+        genesis_weights: Mapping[str, torch.Tensor],
+        *,
+        validator: bool,
+        reducers: Sequence[bytes],
+        now: float = 0.0,
+    ) -> None:
+        super().__init__(manifest, identity, genesis_weights)
+        self.is_validator = validator
+        self.reducers = tuple(reducers)
+        self.leases = LeaseBook(manifest)
+        self.book = AttestationBook(manifest, self.experiment_id)
+        self.dropped: set[bytes] = set()
+        self.votes: dict[int, str] = {}  # height -> the one head id we attested there
+        self._reductions: dict[frozenset[str], Reduction] = {}
+        self._by_head: dict[str, Reduction] = {}
+        self.last_reason = "window open"
+        self.judged_count = 0
+        self.wrong_count = 0
+        self._window = self._open(self.base, now)
+
+    # --- window lifecycle ----------------------------------------------------------------
+
+    def _open(self, base: BaseState, now: float) -> _Window:
+        order = proposer_order(
+            self.manifest, self.experiment_id, base.window, self.reducers, self.dropped
+        )
+        self._reductions.clear()
+        self._by_head.clear()
+        self.book.forget_through(base.head.height)
+        return _Window(base=base, opened_at=now, order=order)
+
+    def _on_base(self, now: float) -> list[Action]:
+        self._window = self._open(self.base, now)
+        self.last_reason = f"window {self.base.window} open on {self.base.head_id[:12]}"
+        return []
+
+    def _known_state(self, head_id: str) -> BaseState | None:
+        reduction = self._by_head.get(head_id)
+        if reduction is None or reduction.head is None or reduction.weights is None:
+            return None
+        return BaseState(reduction.head, head_id, reduction.weights, reduction.optimizer_state)
+
+    @property
+    def window(self) -> int:
+        return self._window.base.window
+
+    def next_wakeup(self) -> float:
+        """The next time :meth:`tick` has something to do (the next slot boundary)."""
+        w = self._window
+        deadline = w.opened_at + self.manifest.window.deadline_s
+        now_slot = self._slot(deadline)
+        return slot_start(self.manifest, w.opened_at, max(0, now_slot + 1))
+
+    def _slot(self, now: float) -> int:
+        """The slot open at ``now`` (-1 before the deadline); slots repeat past the end."""
+        spec = self.manifest.window
+        elapsed = now - self._window.opened_at - spec.deadline_s
+        return -1 if elapsed < 0 else math.floor(elapsed / spec.proposal_s)
+
+    # --- inputs --------------------------------------------------------------------------
+
+    def receive_update(self, now: float, signed: Signed[Update], blob: bytes) -> list[Action]:
+        """An update (its envelope verified) with its blob."""
+        w = self._window
+        update_id = signed.record_id
+        if update_id in w.updates:
+            return []
+        verdict = belongs_to_window(self.experiment_id, w.base, signed.record)
+        if not verdict:
+            return []  # stale or replayed: belongs in no cohort, nothing to count
+        w.updates[update_id] = Submission(signed.record, update_id, blob)
+        w.arrival.append(update_id)
+        if now < w.opened_at + self.manifest.window.deadline_s:
+            w.before_deadline = len(w.arrival)
+        actions: list[Action] = []
+        for proposer, missing in list(w.fetching.items()):
+            if update_id in missing:
+                w.fetching[proposer] = missing - {update_id}
+                if not w.fetching[proposer]:
+                    del w.fetching[proposer]
+                    actions += self._advance(now)
+        return actions
+
+    def receive_proposal(self, now: float, signed: Signed[Proposal]) -> list[Action]:
+        w = self._window
+        proposal = signed.record
+        if proposal.window != w.base.window or proposal.base_head != w.base.head_id:
+            return []
+        if proposal.reducer not in w.order:
+            return [Reported(peer_id_of(proposal.reducer), "proposed without being a proposer")]
+        if proposal.reducer in w.proposals:
+            if w.proposals[proposal.reducer].record_id != signed.record_id:
+                return [Reported(peer_id_of(proposal.reducer), "two proposals in one window")]
+            return []
+        w.proposals[proposal.reducer] = signed
+        return self._advance(now)
+
+    def receive_attestation(self, now: float, signed: Signed[Attestation]) -> list[Action]:
+        counted = self.book.add(signed)
+        actions: list[Action] = []
+        if counted.equivocation is not None:
+            actions.append(Reported(counted.equivocation.validator_id, counted.verdict.reason))
+        if counted.certificate is not None:
+            certificate = counted.certificate
+            reduction = self._by_head.get(certificate.head_id)
+            proposal = next(
+                (
+                    p.record
+                    for p in self._window.proposals.values()
+                    if p.record.head.id == certificate.head_id
+                ),
+                None,
+            )
+            head = reduction.head if reduction is not None else None
+            head = head if head is not None else (proposal.head if proposal else None)
+            if head is not None:
+                actions.append(SendCertificate(head, certificate))
+                actions += self.receive_certificate(now, head, certificate, self.key)
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        return self._advance(now)
+
+    def provide_updates(self, update_ids: Sequence[str]) -> list[Submission]:
+        """The updates a peer asked for (:class:`FetchUpdates`), those we hold."""
+        updates = self._window.updates
+        return [updates[i] for i in update_ids if i in updates]
+
+    # --- deciding ------------------------------------------------------------------------
+
+    def _cohort(self) -> list[Submission]:
+        w = self._window
+        ids = w.arrival[: min(w.before_deadline, self.manifest.window.max_updates)]
+        return [w.updates[i] for i in ids]
+
+    def _reduce(self, cohort: Sequence[Submission]) -> Reduction:
+        key = frozenset(s.update_id for s in cohort)
+        reduction = self._reductions.get(key)
+        if reduction is None:
+            reduction = reduce_window(self.manifest, self._window.base, cohort, self.leases)
+            self._reductions[key] = reduction
+            if reduction.head_id is not None:
+                self._by_head[reduction.head_id] = reduction
+        return reduction
+
+    def _advance(self, now: float) -> list[Action]:
+        w = self._window
+        slot = self._slot(now)
+        if slot < 0 or not w.order:
+            return []
+        actions: list[Action] = []
+        height = w.base.window
+        voted = self.votes.get(height)
+        if voted is not None:
+            if self.is_validator and slot >= len(w.order) and w.resent_in_slot != slot:
+                w.resent_in_slot = slot
+                actions.append(SendAttestation(self._attestation(height, voted)))
+            return actions
+        limit = min(slot, len(w.order) - 1)  # the last proposer whose slot has opened
+        index = -1
+        while index < limit:
+            index += 1
+            proposer = w.order[index]
+            if proposer == self.key:
+                if not w.proposed:
+                    actions += self._propose_own(now)
+                if not self.is_validator or height in self.votes:
+                    break
+                continue
+            verdict = self._judge(proposer, actions)
+            if verdict is None:
+                continue
+            if not verdict.ok:
+                limit = min(max(limit, index + 1), len(w.order) - 1)  # skip ahead
+                continue
+            if self.is_validator:
+                actions += self._vote(now, height, w.proposals[proposer].record.head.id)
+            break
+        return actions
+
+    def _judge(self, proposer: bytes, actions: list[Action]) -> Verdict | None:
+        """The verdict on ``proposer``'s proposal, None while absent or fetching."""
+        w = self._window
+        if proposer in w.judged:
+            return w.judged[proposer]
+        signed = w.proposals.get(proposer)
+        if signed is None or proposer in w.fetching:
+            return None
+        proposal = signed.record
+        named = [*proposal.accepted, *(r.update_id for r in proposal.rejected)]
+        if len(named) > self.manifest.window.max_updates:
+            verdict = Verdict(False, "proposal names more updates than window.max_updates")
+        else:
+            missing = frozenset(i for i in named if i not in w.updates)
+            if missing:
+                w.fetching[proposer] = missing
+                actions.append(FetchUpdates(proposer, tuple(sorted(missing))))
+                return None
+            verdict = self._compare(proposal, [w.updates[i] for i in named])
+        w.judged[proposer] = verdict
+        self.judged_count += 1
+        self.last_reason = f"proposal of {peer_id_of(proposer)[:12]}: {verdict.reason}"
+        if not verdict.ok:
+            self.wrong_count += 1
+            if proposer in self.reducers:
+                self.dropped.add(proposer)
+            actions.append(Reported(peer_id_of(proposer), verdict.reason))
+        return verdict
+
+    def _compare(self, proposal: Proposal, cohort: list[Submission]) -> Verdict:
+        reduction = self._reduce(cohort)
+        if reduction.head is None:
+            return Verdict(False, f"the proposal's cohort yields no head: {reduction.reason}")
+        if reduction.accepted != proposal.accepted:
+            return Verdict(False, "accepted updates differ from our recomputation")
+        if reduction.rejected != proposal.rejected:
+            return Verdict(False, "rejected updates or reasons differ from our recomputation")
+        assert reduction.aggregate_blob is not None
+        if sha256_hex(reduction.aggregate_blob) != proposal.aggregate_blob:
+            return Verdict(False, "aggregate differs from our recomputation")
+        if reduction.head_id != proposal.head.id:
+            return Verdict(False, "head (weights or quarantine) differs from our recomputation")
+        return Verdict(True, f"recomputed the same head {reduction.head_id[:12]}")
+
+    def _propose_own(self, now: float) -> list[Action]:
+        w = self._window
+        w.proposed = True
+        reduction = self._reduce(self._cohort())
+        if reduction.head is None or reduction.aggregate_blob is None:
+            self.last_reason = f"no proposal: {reduction.reason}"
+            return []
+        proposal = Proposal(
+            experiment_id=self.experiment_id,
+            window=w.base.window,
+            base_head=w.base.head_id,
+            reducer=self.key,
+            accepted=reduction.accepted,
+            rejected=reduction.rejected,
+            aggregate_blob=sha256_hex(reduction.aggregate_blob),
+            head=reduction.head,
+        )
+        signed = seal(self.identity, proposal)
+        w.proposals[self.key] = signed
+        w.judged[self.key] = Verdict(True, "our own reduction")
+        self.last_reason = f"proposed {reduction.head_id} ({reduction.reason})"
+        actions: list[Action] = [SendProposal(signed)]
+        if self.is_validator:
+            assert reduction.head_id is not None
+            actions += self._vote(now, w.base.window, reduction.head_id)
+        return actions
+
+    def _attestation(self, height: int, head_id: str) -> Signed[Attestation]:
+        record = Attestation(
+            experiment_id=self.experiment_id, height=height, head_id=head_id, validator=self.key
+        )
+        return seal(self.identity, record)
+
+    def _vote(self, now: float, height: int, head_id: str) -> list[Action]:
+        if height in self.votes:
+            return []
+        self.votes[height] = head_id
+        signed = self._attestation(height, head_id)
+        return [SendAttestation(signed), *self.receive_attestation(now, signed)]
+
+    def statistics(self) -> ParticipantStatistics:
+        w = self._window
+        return ParticipantStatistics(
+            window=w.base.window,
+            updates=len(w.updates),
+            proposals_judged=self.judged_count,
+            proposals_wrong=self.wrong_count,
+            attested=self.votes.get(w.base.window),
+            dropped_reducers=len(self.dropped),
+            equivocations=len(self.book.equivocations),
+            last_reason=self.last_reason,
+        )

@@ -1,0 +1,220 @@
+"""The reduction of one window: admission, screening, aggregation and the outer step.
+
+Reducers and validators run exactly this on the same cohort and, the arithmetic being
+bit-exact, reach the same head id -- which is what lets a validator sign a reducer's head,
+or propose the same head itself when the reducer fails (DESIGN §4 steps 4-6).
+
+A cohort is the updates a proposal names (accepted and rejected). Each one must be for the
+window being reduced (experiment, window, base head: :func:`belongs_to_window`); within it an
+update is *rejected*, with a reason and a strike for its trainer (:mod:`.quarantine`), when
+its lease is not the trainer's lease, its trainer sent another update this window, its blob
+does not match or decode, or screening turns it down; an update from an excluded trainer is
+rejected without a strike. The survivors are aggregated with the manifest's rule (weights:
+the lease sample counts), and the outer optimizer steps the base weights.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain.aggregate.codecs import decode_update, max_update_bytes
+from p2ptrain.aggregate.exact import unflatten
+from p2ptrain.aggregate.outer import make_outer_optimizer
+from p2ptrain.aggregate.rules import make_rule
+from p2ptrain.aggregate.screening import Candidate, screen_cohort
+from p2ptrain.core.certificate import Verdict
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.records import Head, Rejection, Update
+from p2ptrain.core.tensors import encode_state_dict, schema_of
+from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.protocol.leases import LeaseBook
+from p2ptrain.protocol.quarantine import excluded_until, next_standings
+
+__all__ = ["BaseState", "Reduction", "Submission", "belongs_to_window", "reduce_window"]
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class BaseState:
+    """The canonical head a window builds on, with its weights and outer-optimizer state."""
+
+    head: Head
+    head_id: str
+    weights: Tensors
+    optimizer_state: Tensors | None = None
+
+    @property
+    def window(self) -> int:
+        """The window that builds on this head."""
+        return self.head.height + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """An update record (its signature already verified) and the bytes of its blob."""
+
+    update: Update
+    update_id: str
+    blob: bytes | bytearray
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """The outcome of reducing a window's cohort: the next head (None, with the reason,
+    when the window cannot produce one), its blobs and every rejection."""
+
+    window: int
+    accepted: tuple[str, ...]
+    rejected: tuple[Rejection, ...]
+    reason: str
+    head: Head | None = None
+    head_id: str | None = None
+    weights: dict[str, torch.Tensor] | None = None
+    weights_blob: bytes | None = None
+    optimizer_state: dict[str, torch.Tensor] | None = None
+    optimizer_blob: bytes | None = None
+    aggregate_blob: bytes | None = None
+
+
+def belongs_to_window(manifest_id: str, base: BaseState, update: Update) -> Verdict:
+    """Whether ``update`` is for the window built on ``base`` (else it is stale, replayed
+    from another window or for another experiment, and belongs in no cohort)."""
+    if update.experiment_id != manifest_id:
+        return Verdict(False, "update is for another experiment")
+    if update.window != base.window:
+        return Verdict(False, f"update is for window {update.window}, this is {base.window}")
+    if update.base_head != base.head_id:
+        return Verdict(
+            False, f"update builds on head {update.base_head[:12]}, not {base.head_id[:12]}"
+        )
+    return Verdict(True, "update is for this window")
+
+
+def _admit(
+    manifest: ExperimentManifest,
+    base: BaseState,
+    submission: Submission,
+    leases: LeaseBook,
+    repeated: bool,
+) -> tuple[str, bool]:
+    """('' or the rejection reason, whether it counts as a strike)."""
+    update = submission.update
+    until = excluded_until(base.head.quarantine, update.trainer_id, base.window)
+    if until is not None:
+        return f"trainer is quarantined until window {until}", False
+    if repeated:
+        return "trainer sent more than one update in this window", True
+    if update.codec != manifest.codec.name:
+        return f"codec {update.codec!r}, the experiment uses {manifest.codec.name!r}", True
+    lease = leases.check(update)
+    if not lease:
+        return lease.reason, True
+    blob = submission.blob
+    if len(blob) != update.delta_bytes or sha256_hex(blob) != update.delta_blob:
+        return "blob does not match the update's delta_blob hash and size", True
+    return "", True
+
+
+def reduce_window(
+    manifest: ExperimentManifest,
+    base: BaseState,
+    cohort: Sequence[Submission],
+    leases: LeaseBook,
+) -> Reduction:
+    """Reduce ``cohort`` (in any order) on ``base``. Raises :class:`LocalError` when the
+    cohort holds an update that is not for this window or is larger than
+    ``window.max_updates`` -- a caller that builds cohorts must filter first (a proposal
+    that names such a cohort is invalid, see :func:`check_cohort`)."""
+    window = base.window
+    if len(cohort) > manifest.window.max_updates:
+        raise LocalError(f"a cohort of {len(cohort)} updates exceeds window.max_updates")
+    ordered = sorted(cohort, key=lambda s: s.update_id)
+    for submission in ordered:
+        verdict = belongs_to_window(leases.experiment_id, base, submission.update)
+        if not verdict:
+            raise LocalError(f"update {submission.update_id[:12]}: {verdict.reason}")
+    per_trainer = Counter(s.update.trainer_id for s in ordered)
+    schema = schema_of(base.weights)
+    limit = max_update_bytes(manifest.codec, schema)
+    rejections: dict[str, str] = {}
+    struck: dict[str, str] = {}
+    candidates: list[Candidate] = []
+    trainer_of: dict[str, str] = {}
+    for submission in ordered:
+        update = submission.update
+        trainer_of[submission.update_id] = update.trainer_id
+        problem, strike = _admit(
+            manifest, base, submission, leases, per_trainer[update.trainer_id] > 1
+        )
+        if not problem:
+            try:
+                tensors = decode_update(submission.blob, manifest.codec, schema, max_bytes=limit)
+            except ProtocolViolation as error:
+                problem = f"undecodable update: {error}"
+            else:
+                weight = float(update.lease_samples)
+                candidates.append(Candidate(submission.update_id, tensors, weight))
+                continue
+        rejections[submission.update_id] = problem[:256]
+        if strike:
+            struck[update.trainer_id] = problem
+    outcome = screen_cohort(candidates, schema, manifest.screening)
+    for screened in outcome.verdicts:
+        if not screened.accepted:
+            rejections[screened.update_id] = screened.reason[:256]
+            struck[trainer_of[screened.update_id]] = screened.reason
+    accepted = tuple(c.update_id for c in outcome.contributions)
+    rejected = tuple(Rejection(update_id=i, reason=r) for i, r in sorted(rejections.items()))
+
+    def without_head(reason: str) -> Reduction:
+        return Reduction(window=window, accepted=accepted, rejected=rejected, reason=reason)
+
+    if len(accepted) < manifest.window.min_updates:
+        return without_head(
+            f"{len(accepted)} updates passed screening, the window needs "
+            f"{manifest.window.min_updates}"
+        )
+    result = make_rule(manifest.aggregation).aggregate(outcome.contributions, outcome.failures)
+    if result.aggregate is None:
+        return without_head(f"aggregation produced nothing: {result.reason}")
+    pseudo_gradient = unflatten(result.aggregate, base.weights)
+    step = make_outer_optimizer(manifest.outer_optimizer).step(
+        base.weights, pseudo_gradient, base.optimizer_state
+    )
+    weights_blob = bytes(encode_state_dict(step.params))
+    optimizer_blob = bytes(encode_state_dict(step.state)) if step.state else None
+    standings = next_standings(
+        base.head.quarantine,
+        window,
+        accepted=[trainer_of[i] for i in accepted],
+        rejected=struck,
+        spec=manifest.screening,
+    )
+    head = Head(
+        experiment_id=leases.experiment_id,
+        height=window,
+        parent=base.head_id,
+        weights_blob=sha256_hex(weights_blob),
+        optimizer_blob=None if optimizer_blob is None else sha256_hex(optimizer_blob),
+        accepted=accepted,
+        quarantine=standings,
+    )
+    return Reduction(
+        window=window,
+        accepted=accepted,
+        rejected=rejected,
+        reason=f"{len(accepted)} accepted, {len(rejected)} rejected; {result.reason}",
+        head=head,
+        head_id=head.id,
+        weights=step.params,
+        weights_blob=weights_blob,
+        optimizer_state=dict(step.state) if step.state else None,
+        optimizer_blob=optimizer_blob,
+        aggregate_blob=bytes(encode_state_dict(pseudo_gradient)),
+    )
