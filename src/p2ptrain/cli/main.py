@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from p2ptrain import __version__
-from p2ptrain.cli import bench_commands, experiment_commands, identity_commands
+from p2ptrain.cli import bench_commands, experiment_commands, identity_commands, sim_commands
 from p2ptrain.errors import LocalError, P2PTrainError
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     identity_commands.add_parsers(commands, data_dir)
     experiment_commands.add_parsers(commands, data_dir)
     bench_commands.add_parsers(commands)
+    sim_commands.add_parsers(commands)
     return parser
 
 

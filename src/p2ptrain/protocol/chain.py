@@ -91,7 +91,7 @@ class HeadChain:
         """The certified heads above ``height``, for a peer catching up."""
         return [
             (link.head, link.certificate)
-            for link in self._links[height + 1 :]
+            for link in self._links[max(height, -1) + 1 :]
             if link.certificate is not None
         ]
 

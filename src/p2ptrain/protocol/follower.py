@@ -104,6 +104,8 @@ class Follower:
         sender: bytes,
     ) -> list[Action]:
         """A catch-up answer: the certified heads above ours and the last one's state."""
+        if all(head.height <= self.chain.height for head, _ in links):
+            return []  # we caught up meanwhile
         verdict = self.chain.catch_up(
             links, weights_ok=lambda head: sha256_hex(weights_blob) == head.weights_blob
         )

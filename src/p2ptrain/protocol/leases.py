@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Update
+from p2ptrain.errors import LocalError
 
 __all__ = ["Lease", "LeaseBook", "check_lease", "lease_for"]
 
@@ -91,6 +92,8 @@ class LeaseBook:
     most recent windows (a validator checks every trainer's lease each window)."""
 
     def __init__(self, manifest: ExperimentManifest, *, keep_windows: int = 4) -> None:
+        if keep_windows < 1:
+            raise LocalError(f"keep_windows must be at least 1, got {keep_windows}")
         self.manifest = manifest
         self.experiment_id = manifest.id
         self._keep = keep_windows

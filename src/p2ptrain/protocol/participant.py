@@ -119,6 +119,11 @@ class Participant(Follower):
         self.book.forget_through(base.head.height)
         return _Window(base=base, opened_at=now, order=order)
 
+    def restart(self, now: float) -> None:
+        """After a crash: the chain, weights and votes persisted; the open window's updates
+        and proposals were in memory and are gone, so the window restarts at ``now``."""
+        self._window = self._open(self.base, now)
+
     def _on_base(self, now: float) -> list[Action]:
         self._window = self._open(self.base, now)
         self.last_reason = f"window {self.base.window} open on {self.base.head_id[:12]}"

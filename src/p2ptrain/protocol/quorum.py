@@ -54,6 +54,7 @@ class AttestationBook:
         self._by_height: dict[int, dict[bytes, Signed[Attestation]]] = defaultdict(dict)
         self._certified: dict[int, QuorumCertificate] = {}
         self.equivocations: list[Equivocation] = []
+        self._final_through = -1
 
     def add(self, signed: Signed[Attestation]) -> Counted:
         """Count an attestation whose envelope signature was verified by ``open_envelope``."""
@@ -63,6 +64,8 @@ class AttestationBook:
             return Counted(Verdict(False, "attestation is for another experiment"))
         if record.validator not in self._validators:
             return Counted(Verdict(False, f"{who} is not a validator of the experiment"))
+        if record.height <= self._final_through:
+            return Counted(Verdict(False, f"height {record.height} is already final here"))
         votes = self._by_height[record.height]
         earlier = votes.get(record.validator)
         if earlier is not None:
@@ -90,7 +93,9 @@ class AttestationBook:
         return self._certified.get(height)
 
     def forget_through(self, height: int) -> None:
-        """Drop the votes of heights up to ``height`` (kept: the equivocation evidence)."""
+        """Drop the votes of heights up to ``height`` and refuse any later vote there (kept:
+        the equivocation evidence)."""
+        self._final_through = max(self._final_through, height)
         for old in [h for h in self._by_height if h <= height]:
             del self._by_height[old]
         for old in [h for h in self._certified if h <= height]:

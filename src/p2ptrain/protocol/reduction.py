@@ -130,11 +130,12 @@ def reduce_window(
     """Reduce ``cohort`` (in any order) on ``base``. Raises :class:`LocalError` when the
     cohort holds an update that is not for this window or is larger than
     ``window.max_updates`` -- a caller that builds cohorts must filter first (a proposal
-    that names such a cohort is invalid, see :func:`check_cohort`)."""
+    that names such a cohort is invalid: ``Participant`` judges it so)."""
     window = base.window
     if len(cohort) > manifest.window.max_updates:
         raise LocalError(f"a cohort of {len(cohort)} updates exceeds window.max_updates")
-    ordered = sorted(cohort, key=lambda s: s.update_id)
+    # one submission per update id: the same update relayed twice is one update
+    ordered = sorted({s.update_id: s for s in cohort}.values(), key=lambda s: s.update_id)
     for submission in ordered:
         verdict = belongs_to_window(leases.experiment_id, base, submission.update)
         if not verdict:

@@ -1,0 +1,174 @@
+"""What each simulated node sends when it trains, proposes or attests: honest behaviour,
+Byzantine trainers (the attacks of :mod:`p2ptrain.aggregate.attacks`) and the protocol
+adversaries of :data:`p2ptrain.sim.scenario.ADVERSARIES`.
+
+Byzantine trainers collude but are not omniscient here: each forges from its own honest
+update (``AttackContext.honest`` is that update alone).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2ptrain.aggregate.attacks import AttackContext, attack_named
+from p2ptrain.aggregate.exact import flatten, unflatten
+from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.envelope import Envelope, Signed, seal
+from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.core.tensors import encode_state_dict
+from p2ptrain.errors import LocalError
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.trainer import TrainerMachine
+
+if TYPE_CHECKING:
+    from p2ptrain.sim.world import World, _Node
+
+__all__ = ["equivocate", "proposal_to_send", "trained_update"]
+
+
+def trained_update(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
+    """The trainer finished its window: send what its behaviour says."""
+    base = machine.base
+    if base.head_id != action.base_head:
+        return  # the head moved while training: the work is stale
+    behaviour = node.behaviour
+    if behaviour == "replayer":
+        _replay(world, node, action.window)
+    elif behaviour == "forger":
+        _forge(world, node, machine, action)
+    elif behaviour == "stale":
+        _stale(world, node, machine, action)
+    if behaviour in ("replayer", "forger", "stale"):
+        return
+    lease = machine.lease(action.window)
+    attack = attack_named(world.scenario.attack) if behaviour == "byzantine" else None
+    poison = attack is not None and attack.poisons_data
+    delta, before, after = world.workload.train(
+        base.weights, lease, node.trainer_index, action.window, poison=poison
+    )
+    if attack is not None and not attack.poisons_data:
+        own = flatten(delta)
+        generator = torch.Generator().manual_seed(world.scenario.seed * 7919 + node.trainer_index)
+        context = AttackContext(own, [own], world.scenario.byzantine, world.scenario.trainers,
+                                generator)  # fmt: skip
+        delta = unflatten(attack.forge(context), delta)
+    try:
+        blob = node.encoder.encode(delta)
+    except LocalError:  # e.g. NaN: the codec refuses, so send the raw tensors instead
+        blob = bytes(encode_state_dict(delta))
+    world._carry_out(node, machine.finish(action.window, action.base_head, blob, before, after))
+
+
+def _send_update(world: World, node: _Node, envelope: bytes, blob: bytes) -> None:
+    world._send(node, world.participants, ("update", envelope, blob), len(envelope) + len(blob))
+
+
+def _replay(world: World, node: _Node, window: int) -> None:
+    """Re-send up to 20 updates of the previous window (seen on the wire)."""
+    old = [
+        (update_id, envelope)
+        for update_id, envelope in sorted(world.envelopes.items())
+        if world.observer.window_of(update_id) == window - 1
+    ][:20]
+    for update_id, envelope in old:
+        world.observer.replayed.add(update_id)
+        _send_update(world, node, envelope, world.observer.blobs[update_id])
+
+
+def _forged_update(machine: TrainerMachine, action: act.Train, shards: tuple[str, ...]) -> Update:
+    blob = b"\x00" * 64
+    return Update(
+        experiment_id=machine.experiment_id,
+        window=action.window,
+        base_head=action.base_head,
+        trainer=machine.key,
+        lease_shards=shards,
+        lease_samples=machine.manifest.lease_size,
+        delta_blob=sha256_hex(blob),
+        delta_bytes=len(blob),
+        codec=machine.manifest.codec.name,
+        loss_before=1.0,
+        loss_after=0.5,
+    )
+
+
+def _forge(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
+    """A bad signature (caught when the envelope is opened), and a correctly signed update
+    with a cherry-picked lease (rejected by every reducer; strikes lead to quarantine)."""
+    all_shards = tuple(sorted(s.name for s in machine.manifest.dataset.shards))
+    picked = all_shards[:1]
+    forged = seal(machine.identity, _forged_update(machine, action, picked))
+    broken = bytearray(forged.envelope.signature)
+    broken[0] ^= 0xFF
+    bad = Envelope(kind=forged.envelope.kind, payload=forged.envelope.payload,
+                   signer=forged.envelope.signer, signature=bytes(broken))  # fmt: skip
+    world.observer.forged.add(forged.record_id)
+    _send_update(world, node, bad.encode(), b"\x00" * 64)
+    if machine.lease(action.window).shards != picked:
+        cherry = seal(machine.identity, _forged_update(machine, action, picked))
+        world.observer.saw_update(cherry, "forger")
+        world.envelopes[cherry.record_id] = cherry.envelope.encode()
+        _send_update(world, node, cherry.envelope.encode(), b"\x00" * 64)
+
+
+def _stale(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
+    """An update built on the genesis head whatever the canonical head is."""
+    genesis = machine.chain.at(0)
+    assert genesis is not None
+    if genesis.head_id == action.base_head:
+        return
+    update = _forged_update(machine, act.Train(action.window, genesis.head_id), tuple(
+        machine.lease(action.window).shards))  # fmt: skip
+    signed = seal(machine.identity, update)
+    world.observer.stale.add(signed.record_id)
+    _send_update(world, node, signed.envelope.encode(), b"\x00" * 64)
+
+
+def proposal_to_send(
+    world: World, node: _Node, signed: Signed[Proposal]
+) -> Signed[Proposal] | None:
+    if node.behaviour == "silent_reducer":
+        return None
+    if node.behaviour != "lying_reducer":
+        return signed
+    honest = signed.record
+    lie = Head(
+        experiment_id=honest.head.experiment_id,
+        height=honest.head.height,
+        parent=honest.head.parent,
+        weights_blob=sha256_hex(b"lie" + honest.head.weights_blob.encode()),
+        optimizer_blob=honest.head.optimizer_blob,
+        accepted=honest.head.accepted,
+        quarantine=honest.head.quarantine,
+    )
+    fields: dict[str, Any] = {f: getattr(honest, f) for f in honest.__struct_fields__}
+    fields["head"] = lie
+    forged = seal(node.identity, Proposal(**fields))
+    world.observer.lies.add(lie.id)
+    return forged
+
+
+def equivocate(world: World, node: _Node, honest: Signed[Attestation]) -> list[Signed[Attestation]]:
+    """An equivocating validator also attests a forged head at the same height, and sends
+    a certificate for it when its own signature is a quorum (a minority-quorum manifest)."""
+    if node.behaviour != "equivocating_validator":
+        return []
+    record = honest.record
+    machine = node.machine
+    forged = Head(
+        experiment_id=record.experiment_id,
+        height=record.height,
+        parent=machine.base.head_id,
+        weights_blob=sha256_hex(f"forged/{record.height}".encode()),
+        optimizer_blob=None,
+    )
+    second = seal(node.identity, Attestation(experiment_id=record.experiment_id,
+                  height=record.height, head_id=forged.id, validator=record.validator))  # fmt: skip
+    world.observer.lies.add(forged.id)
+    certificate = QuorumCertificate.assemble([second])
+    if certificate.verify(world.manifest):
+        world._do_send_certificate(node, act.SendCertificate(forged, certificate))
+    return [second]

@@ -1,0 +1,203 @@
+"""What simulated trainers train: a synthetic quadratic (for scale) and digits (a real MLP).
+
+A workload gives the genesis weights, the dataset's shards (whose names and sample counts
+go into the manifest, so leases are real), and trains one window: from the canonical weights,
+``inner_steps`` steps on the trainer's lease, returning the pseudo-gradient
+``theta_base - theta_local`` and the loss before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from p2ptrain.core.manifests import DatasetManifest, ShardInfo
+from p2ptrain.errors import LocalError
+from p2ptrain.protocol.leases import Lease
+
+__all__ = ["DigitsWorkload", "SimWorkload", "SyntheticWorkload", "make_workload"]
+
+Tensors = dict[str, torch.Tensor]
+
+
+class SimWorkload(Protocol):
+    name: str
+    #: Virtual seconds a trainer spends on one window.
+    train_seconds: float
+
+    def genesis(self) -> Tensors: ...
+
+    def dataset(self) -> DatasetManifest: ...
+
+    def train(
+        self, weights: Mapping[str, torch.Tensor], lease: Lease, trainer: int, window: int, *,
+        poison: bool = False,
+    ) -> tuple[Tensors, float, float]: ...  # fmt: skip
+
+    def loss(self, weights: Mapping[str, torch.Tensor]) -> float: ...
+
+
+def _shards(name: str, sizes: list[int]) -> DatasetManifest:
+    shards = tuple(
+        ShardInfo(
+            name=f"{name}-{index:03d}",
+            blob_id=hashlib.sha256(f"{name}/{index}/{size}".encode()).hexdigest(),
+            samples=size,
+        )
+        for index, size in enumerate(sizes)
+    )
+    return DatasetManifest(name=name, shards=shards)
+
+
+class SyntheticWorkload:
+    """Minimise ``mean((w - target)^2)``: each sample of a shard is a noisy copy of the
+    target, and a window takes ``inner_steps`` gradient steps toward the lease's samples.
+    Cheap enough for thousands of trainers."""
+
+    name = "synthetic"
+    train_seconds = 5.0
+
+    def __init__(self, seed: int, size: int = 64, shards: int = 32, inner_steps: int = 4) -> None:
+        self.size, self.inner_steps, self.step = size, inner_steps, 0.2
+        generator = torch.Generator().manual_seed(seed)
+        self.target = torch.randn(size, generator=generator)
+        self._start = torch.randn(size, generator=generator) * 3
+        self._dataset = _shards("synthetic", [64] * shards)
+        self._noise = {
+            shard.name: torch.randn(size, generator=generator) * 0.3
+            for shard in self._dataset.shards
+        }
+
+    def genesis(self) -> Tensors:
+        return {"w": self._start.clone()}
+
+    def dataset(self) -> DatasetManifest:
+        return self._dataset
+
+    def train(
+        self, weights: Mapping[str, torch.Tensor], lease: Lease, trainer: int, window: int, *,
+        poison: bool = False,
+    ) -> tuple[Tensors, float, float]:  # fmt: skip
+        total = lease.samples
+        aim = sum(((self.target + self._noise[name]) * count for name, count in lease.parts),
+                  torch.zeros(self.size)) / total  # fmt: skip
+        if poison:
+            aim = -aim
+        base = weights["w"]
+        local = base.clone()
+        for _ in range(self.inner_steps):
+            local -= self.step * 2 * (local - aim)
+        return {"w": base - local}, self.loss(weights), self.loss({"w": local})
+
+    def loss(self, weights: Mapping[str, torch.Tensor]) -> float:
+        return float(((weights["w"] - self.target) ** 2).mean())
+
+
+class DigitsWorkload:
+    """scikit-learn's digits, a 64-32-10 MLP, AdamW inner steps on the lease's samples (each
+    trainer keeps its AdamW state across windows); the loss is on 20% held-out images."""
+
+    name = "digits"
+    train_seconds = 20.0
+
+    def __init__(self, seed: int, hidden: int = 32, inner_steps: int = 10) -> None:
+        from sklearn.datasets import load_digits
+
+        images, labels = load_digits(return_X_y=True)
+        x = torch.tensor(images, dtype=torch.float32) / 16.0
+        y = torch.tensor(labels, dtype=torch.long)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+        test, train = order[: len(y) // 5], order[len(y) // 5 :]
+        self.test_x, self.test_y = x[test], y[test]
+        self.shard_size = 48
+        count = len(train) // self.shard_size
+        self._dataset = _shards("digits", [self.shard_size] * count)
+        self._data = {
+            shard.name: (x[train[i * 48 : (i + 1) * 48]], y[train[i * 48 : (i + 1) * 48]])
+            for i, shard in enumerate(self._dataset.shards)
+        }
+        self.hidden, self.inner_steps, self.seed = hidden, inner_steps, seed
+        self._optimizers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def genesis(self) -> Tensors:
+        generator = torch.Generator().manual_seed(self.seed)
+        shapes = {"l1.weight": (self.hidden, 64), "l1.bias": (self.hidden,),
+                  "l2.weight": (10, self.hidden), "l2.bias": (10,)}  # fmt: skip
+        weights = {}
+        for name, shape in shapes.items():
+            fan_in = 64 if name.startswith("l1") else self.hidden
+            bound = 1 / math.sqrt(fan_in)
+            weights[name] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+        return weights
+
+    def dataset(self) -> DatasetManifest:
+        return self._dataset
+
+    def _logits(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(x @ weights["l1.weight"].T + weights["l1.bias"])
+        return hidden @ weights["l2.weight"].T + weights["l2.bias"]
+
+    def train(
+        self, weights: Mapping[str, torch.Tensor], lease: Lease, trainer: int, window: int, *,
+        poison: bool = False,
+    ) -> tuple[Tensors, float, float]:  # fmt: skip
+        xs, ys = [], []
+        for name, count in lease.parts:
+            x, y = self._data[name]
+            xs.append(x[:count])
+            ys.append(y[:count])
+        x, y = torch.cat(xs), torch.cat(ys)
+        if poison:
+            y = 9 - y
+        local = {name: t.clone().requires_grad_(True) for name, t in weights.items()}
+        optimizer = torch.optim.AdamW(local.values(), lr=3e-3)
+        state = self._optimizers.get(trainer)
+        if state is not None:
+            for param, (name, _) in zip(local.values(), local.items(), strict=True):
+                optimizer.state[param] = {k: v.clone() for k, v in
+                                          self._saved(state, name).items()}  # fmt: skip
+        with torch.no_grad():
+            before = float(torch.nn.functional.cross_entropy(self._logits(local, x), y))
+        generator = torch.Generator().manual_seed(trainer * 100_003 + window)
+        for _ in range(self.inner_steps):
+            batch = torch.randint(0, len(y), (32,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(self._logits(local, x[batch]), y[batch])
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+        with torch.no_grad():
+            after = float(torch.nn.functional.cross_entropy(self._logits(local, x), y))
+        saved: dict[str, torch.Tensor] = {}
+        for name, param in local.items():
+            for key, value in optimizer.state[param].items():
+                saved[f"{name}/{key}"] = value.detach().clone()
+        self._optimizers[trainer] = saved
+        delta = {name: weights[name] - local[name].detach() for name in weights}
+        return delta, before, after
+
+    @staticmethod
+    def _saved(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+        prefix = f"{name}/"
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+    def loss(self, weights: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            logits = self._logits(weights, self.test_x)
+            return float(torch.nn.functional.cross_entropy(logits, self.test_y))
+
+    def accuracy(self, weights: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            predicted = self._logits(weights, self.test_x).argmax(dim=1)
+            return float((predicted == self.test_y).float().mean())
+
+
+def make_workload(name: str, seed: int) -> SyntheticWorkload | DigitsWorkload:
+    if name == "synthetic":
+        return SyntheticWorkload(seed)
+    if name == "digits":
+        return DigitsWorkload(seed)
+    raise LocalError(f"unknown workload {name!r}; choose 'synthetic' or 'digits'")
