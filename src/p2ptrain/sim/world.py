@@ -249,6 +249,8 @@ class World:
     # --- messages ------------------------------------------------------------------------
 
     def _send(self, node: _Node, to: list[str], message: tuple[Any, ...], size: int) -> None:
+        if node.behaviour == "silent":
+            return  # a silent validator runs but says nothing
         self.net.broadcast(node.name, to, message, size)
 
     def _deliver(self, node: _Node, sender: str, message: object) -> None:
@@ -361,6 +363,8 @@ class World:
             self._send(node, self.participants, ("attestation", envelope), len(envelope))
 
     def _do_send_certificate(self, node: _Node, action: act.SendCertificate) -> None:
+        if node.behaviour == "silent":
+            return
         self.observer.saw_certificate(action.head, action.certificate, node.name)
         message = ("certificate", action.head, action.certificate, node.identity.public_key)
         size = 512 + 96 * len(action.certificate.signatures) + 64 * len(action.head.accepted)
