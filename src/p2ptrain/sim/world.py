@@ -183,6 +183,9 @@ class World:
                 self._carry_out(node, node.machine.start(0.0))  # type: ignore[attr-defined]
             else:
                 self._schedule_tick(node)
+        for node in self.nodes.values():
+            if node.behaviour == "silent":
+                self._crash(node)  # a silent validator takes no part at all
         for crash in s.crashes:
             node = self._node(crash.node)
             self.sim.call_at(crash.at_s, functools.partial(self._crash, node))
