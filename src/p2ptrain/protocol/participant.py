@@ -139,17 +139,20 @@ class Participant(Follower):
     def window(self) -> int:
         return self._window.base.window
 
-    def next_wakeup(self) -> float:
-        """The next time :meth:`tick` has something to do (the next slot boundary)."""
-        w = self._window
-        deadline = w.opened_at + self.manifest.window.deadline_s
-        now_slot = self._slot(deadline)
-        return slot_start(self.manifest, w.opened_at, max(0, now_slot + 1))
+    def next_wakeup(self, now: float) -> float:
+        """The next time after ``now`` that :meth:`tick` has something to do: the deadline
+        (slot 0 opens), then each following slot boundary."""
+        slot = self._slot(now) + 1
+        when = slot_start(self.manifest, self._window.opened_at, slot)
+        if when <= now:  # ``now`` is a boundary that rounding placed in the slot before
+            when = slot_start(self.manifest, self._window.opened_at, slot + 1)
+        return when
 
     def _slot(self, now: float) -> int:
         """The slot open at ``now`` (-1 before the deadline); slots repeat past the end."""
         spec = self.manifest.window
-        elapsed = now - self._window.opened_at - spec.deadline_s
+        # + 1e-9 s: a time computed as a slot boundary opens that slot despite rounding
+        elapsed = now - self._window.opened_at - spec.deadline_s + 1e-9
         return -1 if elapsed < 0 else math.floor(elapsed / spec.proposal_s)
 
     # --- inputs --------------------------------------------------------------------------

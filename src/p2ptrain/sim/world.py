@@ -215,12 +215,16 @@ class World:
                 self._do_send_certificate(node, act.SendCertificate(tip.head, tip.certificate))
 
     def _schedule_tick(self, node: _Node) -> None:
-        if node.timer is not None:
-            node.timer.cancel()
+        """Wake the participant at its next slot boundary (moved only when it changed: a
+        new window opened)."""
         machine = node.machine
         assert isinstance(machine, Participant)
-        when = max(machine.next_wakeup(), self.sim.now + 1e-3)
-        node.timer = self.sim.call_at(when, lambda: self._tick(node))
+        when = machine.next_wakeup(self.sim.now)
+        if node.timer is not None:
+            if node.timer.when == when:
+                return
+            node.timer.cancel()
+        node.timer = self.sim.call_at(when, functools.partial(self._tick, node))
 
     def _tick(self, node: _Node) -> None:
         node.timer = None
