@@ -40,12 +40,11 @@ from p2ptrain.aggregate.rules_basic import (
     RuleBase,
     TrimmedSpans,
     Verdict,
-    WeightedSpans,
     Workspace,
     check_float_setting,
     result,
-    shares,
     stream_pass,
+    weighted_pass,
 )
 from p2ptrain.aggregate.rules_robust import (
     CenteredClip,
@@ -129,10 +128,13 @@ class Mean(RuleBase[MeanConfig], config=MeanConfig):
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        coefficients = shares([c.weight for c in ordered])
-        combiner = WeightedSpans(range(len(ordered)), coefficients, self._workspace)
-        vectors = [c.vector for c in ordered]
-        aggregate, squares = stream_pass(vectors, combiner, self._workspace, out=out)
+        coefficients, aggregate, squares = weighted_pass(
+            [c.vector for c in ordered],
+            range(len(ordered)),
+            [c.weight for c in ordered],
+            self._workspace,
+            out=out,
+        )
         verdicts = [Verdict(SELECTED, f"weight share {c:.6g}") for c in coefficients]
         reason = f"mean: weighted mean of {len(ordered)} updates"
         return result(

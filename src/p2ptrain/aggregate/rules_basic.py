@@ -250,6 +250,24 @@ class WeightedSpans:
         return None
 
 
+def weighted_pass(
+    vectors: Sequence[torch.Tensor],
+    chosen: Sequence[int],
+    weights: Sequence[float],
+    workspace: Workspace,
+    references: Sequence[torch.Tensor | None] = (),
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[list[float], torch.Tensor, list[float]]:
+    """:func:`stream_pass` of the weighted mean of ``vectors[i]`` for ``i`` in ``chosen``
+    (``weights`` in that order, normalised by :func:`shares`): the coefficients used, the
+    aggregate and the squared distances."""
+    coefficients = shares(weights)
+    combiner = WeightedSpans(chosen, coefficients, workspace)
+    aggregate, squares = stream_pass(vectors, combiner, workspace, references, out=out)
+    return coefficients, aggregate, squares
+
+
 @functools.cache
 def sorting_network(n: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
     """Comparators ``(a, b)``, ``a < b`` (min to ``a``, max to ``b``) of Batcher's odd-even

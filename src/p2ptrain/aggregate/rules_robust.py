@@ -29,7 +29,6 @@ from p2ptrain.aggregate.rules_basic import (
     RuleBase,
     TrimmedSpans,
     Verdict,
-    WeightedSpans,
     Workspace,
     check_float_setting,
     check_int_setting,
@@ -38,6 +37,7 @@ from p2ptrain.aggregate.rules_basic import (
     result,
     shares,
     stream_pass,
+    weighted_pass,
 )
 
 
@@ -111,9 +111,9 @@ class Krum(RuleBase[KrumConfig], config=KrumConfig):
         ranking = sorted(range(n), key=lambda i: (scores[i], ordered[i].update_id))
         rank = {index: position for position, index in enumerate(ranking)}
         chosen = sorted(ranking[:m])
-        coefficients = shares([ordered[i].weight for i in chosen])
-        combiner = WeightedSpans(chosen, coefficients, self._workspace)
-        aggregate, squares = stream_pass(vectors, combiner, self._workspace, out=out)
+        _, aggregate, squares = weighted_pass(
+            vectors, chosen, [ordered[i].weight for i in chosen], self._workspace, out=out
+        )
         verdicts = [
             Verdict(
                 SELECTED if rank[i] < m else EXCLUDED,
@@ -314,10 +314,8 @@ class GeometricMedian(RuleBase[GeometricMedianConfig], config=GeometricMedianCon
         while steps < config.iterations and not converged:
             distances = [math.sqrt(d) for d in squares[:n]]
             betas = [c.weight / max(d, config.eps) for c, d in zip(ordered, distances, strict=True)]
-            coefficients = shares(betas)
-            combiner = WeightedSpans(range(n), coefficients, self._workspace)
-            z, squares = stream_pass(
-                vectors, combiner, self._workspace, [z, None], out=buffers.other(z)
+            coefficients, z, squares = weighted_pass(
+                vectors, range(n), betas, self._workspace, [z, None], out=buffers.other(z)
             )
             steps, movement = steps + 1, math.sqrt(squares[n])
             converged = movement <= config.tolerance * norm  # the norm before this step

@@ -200,17 +200,15 @@ class Participant(Follower):
             actions.append(Reported(counted.equivocation.validator_id, counted.verdict.reason))
         if counted.certificate is not None:
             certificate = counted.certificate
-            reduction = self._by_head.get(certificate.head_id)
-            proposal = next(
+            # every head we computed or judged came with a proposal we hold
+            head = next(
                 (
-                    p.record
+                    p.record.head
                     for p in self._window.proposals.values()
                     if p.record.head.id == certificate.head_id
                 ),
                 None,
             )
-            head = reduction.head if reduction is not None else None
-            head = head if head is not None else (proposal.head if proposal else None)
             if head is not None:
                 actions.append(SendCertificate(head, certificate))
                 actions += self.receive_certificate(now, head, certificate, self.key)

@@ -69,13 +69,13 @@ def _send_update(world: World, node: _Node, envelope: bytes, blob: bytes) -> Non
 def _replay(world: World, node: _Node, window: int) -> None:
     """Re-send up to 20 updates of the previous window (seen on the wire)."""
     old = [
-        (update_id, envelope)
-        for update_id, envelope in sorted(world.envelopes.items())
+        (update_id, sent)
+        for update_id, sent in sorted(world.published.items())
         if world.observer.window_of(update_id) == window - 1
     ][:20]
-    for update_id, envelope in old:
+    for update_id, (envelope, blob) in old:
         world.observer.replayed.add(update_id)
-        _send_update(world, node, envelope, world.observer.blobs[update_id])
+        _send_update(world, node, envelope, blob)
 
 
 def _forged_update(machine: TrainerMachine, action: act.Train, shards: tuple[str, ...]) -> Update:
@@ -110,8 +110,8 @@ def _forge(world: World, node: _Node, machine: TrainerMachine, action: act.Train
     if machine.lease(action.window).shards != picked:
         cherry = seal(machine.identity, _forged_update(machine, action, picked))
         world.observer.saw_update(cherry, "forger")
-        world.envelopes[cherry.record_id] = cherry.envelope.encode()
-        _send_update(world, node, cherry.envelope.encode(), b"\x00" * 64)
+        world.published[cherry.record_id] = (cherry.envelope.encode(), b"\x00" * 64)
+        _send_update(world, node, *world.published[cherry.record_id])
 
 
 def _stale(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:

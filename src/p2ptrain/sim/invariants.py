@@ -36,7 +36,6 @@ class Observer:
         self.certified: dict[int, dict[str, Head]] = defaultdict(dict)
         self.certified_at: dict[int, float] = {}
         self.updates: dict[str, tuple[Update, str]] = {}
-        self.blobs: dict[str, bytes] = {}
         self.proposals: dict[str, Proposal] = {}
         self.forged: set[str] = set()
         self.stale: set[str] = set()

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from p2ptrain.bench.byzantine import load_digits_split
 from p2ptrain.core.manifests import DatasetManifest, ShardInfo
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol.leases import Lease
@@ -22,6 +23,9 @@ from p2ptrain.protocol.leases import Lease
 __all__ = ["DigitsWorkload", "SimWorkload", "SyntheticWorkload", "make_workload"]
 
 Tensors = dict[str, torch.Tensor]
+
+#: The digits training images (80%) split into this many equal shards (47 images each).
+DIGITS_SHARDS = 30
 
 
 class SimWorkload(Protocol):
@@ -105,23 +109,16 @@ class DigitsWorkload:
     train_seconds = 20.0
 
     def __init__(self, seed: int, hidden: int = 32, inner_steps: int = 10) -> None:
-        from sklearn.datasets import load_digits
-
-        images, labels = load_digits(return_X_y=True)
-        x = torch.tensor(images, dtype=torch.float32) / 16.0
-        y = torch.tensor(labels, dtype=torch.long)
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-        test, train = order[: len(y) // 5], order[len(y) // 5 :]
-        self.test_x, self.test_y = x[test], y[test]
-        self.shard_size = 48
-        count = len(train) // self.shard_size
-        self._dataset = _shards("digits", [self.shard_size] * count)
+        digits = load_digits_split(workers=DIGITS_SHARDS, seed=seed)
+        self.test_x, self.test_y = digits.test_x, digits.test_y
+        self._dataset = _shards("digits", [digits.train_x.shape[1]] * DIGITS_SHARDS)
         self._data = {
-            shard.name: (x[train[i * 48 : (i + 1) * 48]], y[train[i * 48 : (i + 1) * 48]])
+            shard.name: (digits.train_x[i], digits.train_y[i])
             for i, shard in enumerate(self._dataset.shards)
         }
         self.hidden, self.inner_steps, self.seed = hidden, inner_steps, seed
-        self._optimizers: dict[int, dict[str, torch.Tensor]] = {}
+        #: each trainer's AdamW state per parameter, kept across windows
+        self._optimizers: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
 
     def genesis(self) -> Tensors:
         generator = torch.Generator().manual_seed(self.seed)
@@ -155,11 +152,8 @@ class DigitsWorkload:
             y = 9 - y
         local = {name: t.clone().requires_grad_(True) for name, t in weights.items()}
         optimizer = torch.optim.AdamW(local.values(), lr=3e-3)
-        state = self._optimizers.get(trainer)
-        if state is not None:
-            for param, (name, _) in zip(local.values(), local.items(), strict=True):
-                optimizer.state[param] = {k: v.clone() for k, v in
-                                          self._saved(state, name).items()}  # fmt: skip
+        for name, state in self._optimizers.get(trainer, {}).items():
+            optimizer.state[local[name]] = {k: v.clone() for k, v in state.items()}
         with torch.no_grad():
             before = float(torch.nn.functional.cross_entropy(self._logits(local, x), y))
         generator = torch.Generator().manual_seed(trainer * 100_003 + window)
@@ -171,18 +165,12 @@ class DigitsWorkload:
             optimizer.step()
         with torch.no_grad():
             after = float(torch.nn.functional.cross_entropy(self._logits(local, x), y))
-        saved: dict[str, torch.Tensor] = {}
-        for name, param in local.items():
-            for key, value in optimizer.state[param].items():
-                saved[f"{name}/{key}"] = value.detach().clone()
-        self._optimizers[trainer] = saved
+        self._optimizers[trainer] = {
+            name: {k: v.detach().clone() for k, v in optimizer.state[param].items()}
+            for name, param in local.items()
+        }
         delta = {name: weights[name] - local[name].detach() for name in weights}
         return delta, before, after
-
-    @staticmethod
-    def _saved(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-        prefix = f"{name}/"
-        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
     def loss(self, weights: Mapping[str, torch.Tensor]) -> float:
         with torch.no_grad():

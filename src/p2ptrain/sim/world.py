@@ -15,10 +15,11 @@ import functools
 import hashlib
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.identity import Identity
@@ -29,13 +30,14 @@ from p2ptrain.core.manifests import (
     WindowSpec,
     WorkloadSpec,
 )
-from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.core.records import Attestation, Head, Proposal, Update
 from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.sim.adversaries import equivocate, proposal_to_send, trained_update
 from p2ptrain.sim.engine import LinkSpec, Network, Partition, Simulator
 from p2ptrain.sim.invariants import Observer
 from p2ptrain.sim.scenario import Scenario
@@ -64,10 +66,8 @@ class _Node:
     up: bool = True
     stopped: bool = False
     timer: Any = None
-    violations: int = 0
     trainer_index: int = -1
     encoder: Any = None
-    sent: dict[int, list[tuple[bytes, bytes]]] = field(default_factory=dict)
 
 
 class World:
@@ -82,7 +82,8 @@ class World:
         self.workload = make_workload(scenario.workload, scenario.seed)
         self.genesis = self.workload.genesis()
         self.nodes: dict[str, _Node] = {}
-        self.envelopes: dict[str, bytes] = {}  # update id -> signed envelope, to serve fetches
+        #: update id -> (signed envelope, blob) of every update sent, to serve fetches
+        self.published: dict[str, tuple[bytes, bytes]] = {}
         self.by_key: dict[bytes, str] = {}
         names = self._names()
         validator_ids = {n: _identity(scenario.seed, n) for n in names["validator"]}
@@ -256,67 +257,106 @@ class World:
     # --- messages ------------------------------------------------------------------------
 
     def _send(self, node: _Node, to: list[str], message: tuple[Any, ...], size: int) -> None:
-        if node.behaviour == "silent":
-            return  # a silent validator runs but says nothing
         self.net.broadcast(node.name, to, message, size)
 
     def _deliver(self, node: _Node, sender: str, message: object) -> None:
         if not node.up:
             return
         assert isinstance(message, tuple)
-        kind, now = message[0], self.sim.now
-        machine = node.machine
-        actions: list[act.Action] = []
+        kind = message[0]
+        handler = getattr(self, f"_on_{kind}")
         try:
-            if kind == "update" and isinstance(machine, Participant):
-                signed = open_envelope(message[1], Update, max_bytes=MAX_ENVELOPE)
-                actions = machine.receive_update(now, signed, message[2])
-            elif kind == "proposal" and isinstance(machine, Participant):
-                proposal = open_envelope(message[1], Proposal, max_bytes=MAX_ENVELOPE)
-                actions = machine.receive_proposal(now, proposal)
-            elif kind == "attestation" and isinstance(machine, Participant):
-                attestation = open_envelope(message[1], Attestation, max_bytes=MAX_ENVELOPE)
-                actions = machine.receive_attestation(now, attestation)
-            elif kind == "certificate":
-                head, certificate = message[1], message[2]
-                self.observer.saw_certificate(head, certificate, node.name)
-                actions = machine.receive_certificate(now, head, certificate, message[3])
-            elif kind == "fetch_updates" and isinstance(machine, Participant):
-                found = machine.provide_updates(message[1])
-                payload = [(s_.update, s_.blob) for s_ in found]
-                envelopes = [(bytes(self._envelope_of(node, u)), b) for u, b in payload]
-                size = sum(len(e) + len(b) for e, b in envelopes) + 64
-                self._send(node, [sender], ("updates", envelopes), size)
-            elif kind == "updates" and isinstance(machine, Participant):
-                for envelope, blob in message[1]:
-                    signed = open_envelope(envelope, Update, max_bytes=MAX_ENVELOPE)
-                    actions += machine.receive_update(now, signed, blob)
-            elif kind == "fetch_state":
-                state = machine.state_of(message[1])
-                if state is not None:
-                    size = len(state[0]) + len(state[1] or b"") + 64
-                    self._send(node, [sender], ("state", message[1], *state), size)
-            elif kind == "state":
-                actions = machine.receive_state(now, message[1], message[2], message[3])
-            elif kind == "fetch_chain":
-                links = machine.chain.links_after(message[1])
-                state = machine.state_of(machine.chain.tip.head_id)
-                if links and state is not None:
-                    size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
-                    self._send(node, [sender], ("chain", links, *state), size)
-            elif kind == "chain":
-                key = self.nodes[sender].identity.public_key
-                actions = machine.receive_chain(now, message[1], message[2], message[3], key)
+            actions: list[act.Action] = handler(node, sender, *message[1:])
         except ProtocolViolation as error:
-            node.violations += 1
             self.observer.rejected_from(sender, f"{kind}: {error}")
             return
         self._carry_out(node, actions)
-        if isinstance(machine, Participant) and node.timer is not None:
+        if isinstance(node.machine, Participant) and node.timer is not None:
             self._schedule_tick(node)
 
-    def _envelope_of(self, node: _Node, update: Update) -> bytes:
-        return self.envelopes[update.id]
+    @staticmethod
+    def _participant(node: _Node) -> Participant | None:
+        return node.machine if isinstance(node.machine, Participant) else None
+
+    def _on_update(
+        self, node: _Node, sender: str, envelope: bytes, blob: bytes
+    ) -> list[act.Action]:
+        machine = self._participant(node)
+        if machine is None:
+            return []
+        signed = open_envelope(envelope, Update, max_bytes=MAX_ENVELOPE)
+        return machine.receive_update(self.sim.now, signed, blob)
+
+    def _on_updates(
+        self, node: _Node, sender: str, updates: list[tuple[bytes, bytes]]
+    ) -> list[act.Action]:
+        actions: list[act.Action] = []
+        for envelope, blob in updates:
+            actions += self._on_update(node, sender, envelope, blob)
+        return actions
+
+    def _on_proposal(self, node: _Node, sender: str, envelope: bytes) -> list[act.Action]:
+        machine = self._participant(node)
+        if machine is None:
+            return []
+        proposal = open_envelope(envelope, Proposal, max_bytes=MAX_ENVELOPE)
+        return machine.receive_proposal(self.sim.now, proposal)
+
+    def _on_attestation(self, node: _Node, sender: str, envelope: bytes) -> list[act.Action]:
+        machine = self._participant(node)
+        if machine is None:
+            return []
+        attestation = open_envelope(envelope, Attestation, max_bytes=MAX_ENVELOPE)
+        return machine.receive_attestation(self.sim.now, attestation)
+
+    def _on_certificate(
+        self, node: _Node, sender: str, head: Head, certificate: QuorumCertificate, key: bytes
+    ) -> list[act.Action]:
+        self.observer.saw_certificate(head, certificate, node.name)
+        return node.machine.receive_certificate(self.sim.now, head, certificate, key)
+
+    def _on_fetch_updates(
+        self, node: _Node, sender: str, update_ids: tuple[str, ...]
+    ) -> list[act.Action]:
+        machine = self._participant(node)
+        if machine is not None:
+            found = machine.provide_updates(update_ids)
+            updates = [self.published[s.update_id] for s in found]
+            size = sum(len(e) + len(b) for e, b in updates) + 64
+            self._send(node, [sender], ("updates", updates), size)
+        return []
+
+    def _on_fetch_state(self, node: _Node, sender: str, head_id: str) -> list[act.Action]:
+        state = node.machine.state_of(head_id)
+        if state is not None:
+            size = len(state[0]) + len(state[1] or b"") + 64
+            self._send(node, [sender], ("state", head_id, *state), size)
+        return []
+
+    def _on_state(
+        self, node: _Node, sender: str, head_id: str, weights: bytes, optimizer: bytes | None
+    ) -> list[act.Action]:
+        return node.machine.receive_state(self.sim.now, head_id, weights, optimizer)
+
+    def _on_fetch_chain(self, node: _Node, sender: str, after_height: int) -> list[act.Action]:
+        chain = node.machine.chain
+        links = chain.links_after(after_height)
+        state = node.machine.state_of(chain.tip.head_id)
+        if links and state is not None:
+            size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
+            self._send(node, [sender], ("chain", links, *state), size)
+        return []
+
+    def _on_chain(
+        self,
+        node: _Node,
+        sender: str,
+        links: list[tuple[Head, QuorumCertificate]],
+        weights: bytes,
+        optimizer: bytes | None,
+    ) -> list[act.Action]:
+        key = self.nodes[sender].identity.public_key
+        return node.machine.receive_chain(self.sim.now, links, weights, optimizer, key)
 
     # --- actions -------------------------------------------------------------------------
 
@@ -336,22 +376,16 @@ class World:
         assert isinstance(machine, TrainerMachine)
         if not node.up or node.stopped:
             return
-        from p2ptrain.sim.adversaries import trained_update
-
         trained_update(self, node, machine, action)
 
     def _do_send_update(self, node: _Node, action: act.SendUpdate) -> None:
         envelope = bytes(action.update.envelope.encode())
-        self.envelopes[action.update.record_id] = envelope
-        self.observer.blobs[action.update.record_id] = action.blob
-        node.sent.setdefault(action.update.record.window, []).append((envelope, action.blob))
+        self.published[action.update.record_id] = (envelope, action.blob)
         self.observer.saw_update(action.update, node.behaviour)
         size = len(envelope) + len(action.blob)
         self._send(node, self.participants, ("update", envelope, action.blob), size)
 
     def _do_send_proposal(self, node: _Node, action: act.SendProposal) -> None:
-        from p2ptrain.sim.adversaries import proposal_to_send
-
         signed = proposal_to_send(self, node, action.proposal)
         if signed is None:
             return
@@ -361,17 +395,11 @@ class World:
         self._send(node, validators, ("proposal", envelope), len(envelope))
 
     def _do_send_attestation(self, node: _Node, action: act.SendAttestation) -> None:
-        if node.behaviour == "silent":
-            return
-        from p2ptrain.sim.adversaries import equivocate
-
         for signed in [action.attestation, *equivocate(self, node, action.attestation)]:
             envelope = bytes(signed.envelope.encode())
             self._send(node, self.participants, ("attestation", envelope), len(envelope))
 
     def _do_send_certificate(self, node: _Node, action: act.SendCertificate) -> None:
-        if node.behaviour == "silent":
-            return
         self.observer.saw_certificate(action.head, action.certificate, node.name)
         message = ("certificate", action.head, action.certificate, node.identity.public_key)
         size = 512 + 96 * len(action.certificate.signatures) + 64 * len(action.head.accepted)
@@ -402,7 +430,7 @@ class World:
             self.sim.call_later(10.0, lambda: self._refetch(node, head_id))
 
     def _do_fetch_chain(self, node: _Node, action: act.FetchChain) -> None:
-        target = self.by_key.get(action.peer, self.rng.choice(self.participants))
+        target = self.by_key.get(action.peer) or self.rng.choice(self.participants)
         self._send(node, [target], ("fetch_chain", action.after_height), 128)
 
     def _do_adopted(self, node: _Node, action: act.Adopted) -> None:
