@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 		echo "installing gcc: the aggregation kernel is compiled on first use"; \
 		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
+	@command -v ip >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || { \
+		echo "installing iproute2: network tests build Linux network namespaces"; \
+		{ apt-get update -q && apt-get install -y -q iproute2; } >/dev/null 2>&1 || \
+		echo "warning: no iproute2; the network-namespace tests will be skipped"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)

@@ -215,3 +215,22 @@ class Attestation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         rules.check_int("height", self.height, 1)
         rules.check_hex_id("head_id", self.head_id)
         rules.check_public_key("validator", self.validator)
+
+
+class AdmissionCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An issuer's permission for one peer key to join a ``certificate`` network.
+
+    Signed by ``issuer``, which must be one of the network manifest's ``issuer_keys``.
+    ``not_after_ms`` is the expiry in Unix milliseconds (0: does not expire).
+    """
+
+    network_id: str
+    subject: bytes
+    issuer: bytes
+    not_after_ms: int = 0
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("network_id", self.network_id)
+        rules.check_public_key("subject", self.subject)
+        rules.check_public_key("issuer", self.issuer)
+        rules.check_int("not_after_ms", self.not_after_ms, 0)

@@ -1,0 +1,167 @@
+"""One WebSocket to one peer: a bounded send queue, rate-limited reads, clean closing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from p2ptrain.errors import ProtocolViolation
+from p2ptrain.net.config import NetConfig
+from p2ptrain.net.limits import TokenBucket
+from p2ptrain.net.wire import Bye, encode_frame
+
+__all__ = ["ConnectionStatistics", "PeerConnection", "SlowPeer"]
+
+logger = logging.getLogger(__name__)
+
+Socket = aiohttp.ClientWebSocketResponse | web.WebSocketResponse
+_SEND_FAILURES = (ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError)
+
+
+class SlowPeer(Exception):
+    """The peer reads too slowly: its send queue is full."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStatistics:
+    peer_id: str
+    outbound: bool
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    queued: int
+
+
+class PeerConnection:
+    """A peer's socket. ``send`` never blocks (a peer that cannot keep up is dropped);
+    ``send_wait`` waits for queue room (bulk relay traffic). ``frames`` yields incoming
+    binary frames; a peer that exceeds its rate by more than its burst plus
+    ``flood_tolerance_s`` seconds' worth is flooding and is cut off."""
+
+    def __init__(
+        self, ws: Socket, peer_id: str, *, outbound: bool, remote: str, config: NetConfig
+    ) -> None:
+        self.ws = ws
+        self.peer_id = peer_id
+        self.outbound = outbound
+        self.remote = remote
+        self.topics: frozenset[str] = frozenset()
+        self._config = config
+        self._queue: deque[bytes] = deque()
+        self._queued_bytes = 0
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._closed = asyncio.Event()
+        now = time.monotonic()
+        self._frames = TokenBucket(config.frames_per_s, config.frame_burst, now)
+        self._bytes = TokenBucket(config.bytes_per_s, config.byte_burst, now)
+        self.close_reason = ""
+        self.frames_in = self.frames_out = self.bytes_in = self.bytes_out = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def send(self, frame: bytes) -> None:
+        """Queue a frame; raise SlowPeer when the peer's queue is full."""
+        if self.closed:
+            return
+        if len(self._queue) >= self._config.send_queue_frames:
+            raise SlowPeer(f"peer {self.peer_id[:16]} is {len(self._queue)} frames behind")
+        self._queue.append(frame)
+        self._queued_bytes += len(frame)
+        self._ready.set()
+        if self._queued_bytes > self._config.max_frame_bytes * 8:
+            self._room.clear()
+
+    async def send_wait(self, frame: bytes, timeout_s: float) -> None:
+        """Queue a frame once the queue has room (bounded memory for bulk transfers)."""
+        async with asyncio.timeout(timeout_s):
+            while not self._room.is_set() and not self.closed:
+                await self._room.wait()
+        self.send(frame)
+
+    async def write_loop(self) -> None:
+        """Drain the queue into the socket until the connection closes."""
+        while not self.closed:
+            if not self._queue:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            frame = self._queue.popleft()
+            self._queued_bytes -= len(frame)
+            if self._queued_bytes <= self._config.max_frame_bytes * 4:
+                self._room.set()
+            try:
+                await self.ws.send_bytes(frame)
+            except (ConnectionError, aiohttp.ClientError, RuntimeError):
+                self._closed.set()
+                break
+            self.frames_out += 1
+            self.bytes_out += len(frame)
+        self._room.set()
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        """Incoming binary frames. Raises ProtocolViolation for a text frame, an oversized
+        frame, or a peer that floods (see the class docstring)."""
+        async for message in self.ws:
+            if message.type == aiohttp.WSMsgType.BINARY:
+                data: bytes = message.data
+            elif message.type == aiohttp.WSMsgType.ERROR:
+                raise ProtocolViolation(f"socket error: {self.ws.exception()!r:.120}")
+            elif message.type == aiohttp.WSMsgType.TEXT:
+                raise ProtocolViolation("text frames are not part of the protocol")
+            else:
+                continue
+            self.frames_in += 1
+            self.bytes_in += len(data)
+            now = time.monotonic()
+            debt_s = max(self._frames.take(1, now), self._bytes.take(len(data), now))
+            if debt_s > self._config.flood_tolerance_s:
+                raise ProtocolViolation(
+                    f"flooding: over the rate limit of {self._config.frames_per_s:.0f} frames/s "
+                    f"or {self._config.bytes_per_s / 1e6:.0f} MB/s beyond its burst"
+                )
+            yield data
+        if self.ws.close_code not in (None, 1000, 1001):
+            self.close_reason = self.close_reason or f"closed with code {self.ws.close_code}"
+        if self.ws.close_code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+            raise ProtocolViolation("oversized frame")
+
+    async def close(self, reason: str, *, code: int = aiohttp.WSCloseCode.OK) -> None:
+        if self.closed:
+            return
+        self.close_reason = reason
+        self._closed.set()
+        self._ready.set()
+        self._room.set()
+        if not self.ws.closed:
+            with contextlib.suppress(
+                ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
+            ):
+                await asyncio.wait_for(self.ws.send_bytes(encode_frame(Bye(reason[:500]))), 1.0)
+            with contextlib.suppress(
+                ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
+            ):
+                await asyncio.wait_for(self.ws.close(code=code, message=reason[:100].encode()), 2.0)
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(
+            peer_id=self.peer_id,
+            outbound=self.outbound,
+            frames_in=self.frames_in,
+            frames_out=self.frames_out,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            queued=len(self._queue),
+        )

@@ -1,0 +1,193 @@
+"""Flooding gossip of signed records over the node's peer connections.
+
+A message is ``(topic, kind, data)``: ``data`` is a signed envelope of ``kind`` (or a quorum
+certificate). A node forwards a message only after verifying its signature and the topic's
+validator accepted it, only to connections subscribed to the topic, and only the first time
+it sees it (a bounded, time-limited seen-set keyed by the SHA-256 of ``data``). Every
+message therefore reaches each connected subscriber exactly once, whatever the mesh shape,
+while a forged or rejected message goes no further than the first honest node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.encoding import decode
+from p2ptrain.core.envelope import KINDS, Signed, open_envelope
+from p2ptrain.errors import ProtocolViolation
+from p2ptrain.net.config import NetConfig
+from p2ptrain.net.connection import PeerConnection, SlowPeer
+from p2ptrain.net.limits import SeenSet
+from p2ptrain.net.wire import Gossip, Subscribe, encode_frame, valid_topic
+
+__all__ = ["Delivered", "GossipRouter", "GossipStatistics"]
+
+logger = logging.getLogger(__name__)
+
+CERTIFICATE_KIND = "certificate"
+_MAX_CERTIFICATE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A verified gossip message handed to the application."""
+
+    topic: str
+    kind: str
+    data: bytes
+    #: The verified envelope, or the (structurally valid) certificate.
+    record: Signed[Any] | QuorumCertificate
+    from_peer: str  # who forwarded it to us ("" when we published it)
+
+
+#: A topic validator returns None to accept, or the reason the message is rejected (which
+#: counts against the peer that forwarded it).
+Validator = Callable[[Delivered], str | None]
+Handler = Callable[[Delivered], None]
+
+
+@dataclass(frozen=True, slots=True)
+class GossipStatistics:
+    connections: int
+    topics: int
+    published: int
+    delivered: int
+    forwarded: int
+    duplicates: int
+    rejected: int
+    unwanted: int
+    seen: int
+
+
+class GossipRouter:
+    """Topics, the seen-set and forwarding; connections are added and removed by the node."""
+
+    def __init__(
+        self,
+        config: NetConfig,
+        *,
+        strike: Callable[[str, str], None],
+        drop: Callable[[PeerConnection, str], None],
+    ) -> None:
+        self._config = config
+        self._strike = strike
+        self._drop = drop
+        self._seen = SeenSet(config.seen_entries, config.seen_ttl_s)
+        self._handlers: dict[str, list[Handler]] = {}
+        self._validators: dict[str, Validator] = {}
+        self.connections: dict[str, PeerConnection] = {}
+        self._published = self._delivered = self._forwarded = 0
+        self._duplicates = self._rejected = self._unwanted = 0
+
+    # -- topics ---------------------------------------------------------------------------
+
+    @property
+    def topics(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def subscribe(self, topic: str, handler: Handler, validator: Validator | None = None) -> None:
+        if not valid_topic(topic):
+            raise ValueError(f"topic {topic!r} is not '<space>/<64-hex id>'")
+        self._handlers.setdefault(topic, []).append(handler)
+        if validator is not None:
+            self._validators[topic] = validator
+        frame = encode_frame(Subscribe(self.topics))
+        for connection in list(self.connections.values()):
+            self._send(connection, frame)
+
+    def hello(self) -> bytes:
+        """The first frame on a new connection: our subscriptions."""
+        return encode_frame(Subscribe(self.topics))
+
+    # -- messages -------------------------------------------------------------------------
+
+    def publish(self, topic: str, kind: str, data: bytes) -> bool:
+        """Flood our own message. Returns False when it was already seen. Raises
+        ProtocolViolation if it would not pass our own checks (a bug on our side)."""
+        message_id = hashlib.sha256(data).digest()
+        if message_id in self._seen:
+            return False
+        delivered = Delivered(topic, kind, data, _verify(kind, data), from_peer="")
+        self._seen.add(message_id, time.monotonic())
+        self._published += 1
+        self._forward(Gossip(topic, kind, data), source=None)
+        for handler in self._handlers.get(topic, ()):
+            handler(delivered)
+        return True
+
+    def receive(self, connection: PeerConnection, frame: Gossip | Subscribe) -> None:
+        """Handle one gossip-plane frame from a peer."""
+        if isinstance(frame, Subscribe):
+            connection.topics = frozenset(frame.topics)
+            return
+        if frame.topic not in self._handlers:
+            self._unwanted += 1
+            return
+        message_id = hashlib.sha256(frame.data).digest()
+        if not self._seen.add(message_id, time.monotonic()):
+            self._duplicates += 1
+            return
+        try:
+            record = _verify(frame.kind, frame.data)
+        except ProtocolViolation as exc:
+            self._rejected += 1
+            self._strike(connection.peer_id, f"gossip {frame.kind}: {exc}")
+            return
+        delivered = Delivered(frame.topic, frame.kind, frame.data, record, connection.peer_id)
+        validator = self._validators.get(frame.topic)
+        reason = None if validator is None else validator(delivered)
+        if reason is not None:
+            self._rejected += 1
+            self._strike(connection.peer_id, f"gossip {frame.kind} rejected: {reason}")
+            return
+        self._forward(frame, source=connection)
+        self._delivered += 1
+        for handler in self._handlers[frame.topic]:
+            try:
+                handler(delivered)
+            except Exception:  # a handler's bug must not break the router
+                logger.exception("gossip handler for %s failed", frame.topic)
+
+    def _forward(self, frame: Gossip, source: PeerConnection | None) -> None:
+        data = encode_frame(frame)
+        for connection in list(self.connections.values()):
+            if connection is source or frame.topic not in connection.topics:
+                continue
+            if self._send(connection, data):
+                self._forwarded += 1
+
+    def _send(self, connection: PeerConnection, frame: bytes) -> bool:
+        try:
+            connection.send(frame)
+        except SlowPeer as exc:
+            self._drop(connection, str(exc))
+            return False
+        return True
+
+    def statistics(self) -> GossipStatistics:
+        return GossipStatistics(
+            connections=len(self.connections),
+            topics=len(self._handlers),
+            published=self._published,
+            delivered=self._delivered,
+            forwarded=self._forwarded,
+            duplicates=self._duplicates,
+            rejected=self._rejected,
+            unwanted=self._unwanted,
+            seen=len(self._seen),
+        )
+
+
+def _verify(kind: str, data: bytes) -> Signed[Any] | QuorumCertificate:
+    if kind == CERTIFICATE_KIND:
+        return decode(QuorumCertificate, data, max_bytes=_MAX_CERTIFICATE_BYTES)
+    record_kind = KINDS.get(kind)
+    if record_kind is None:
+        raise ProtocolViolation(f"unknown record kind {kind[:32]!r}")
+    return open_envelope(data, record_kind.type)

@@ -1,0 +1,103 @@
+"""The peers a node knows: verified signed records, and strikes and bans for misbehaviour."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.records import PeerRecord
+from p2ptrain.errors import ProtocolViolation
+
+__all__ = ["PeerBook", "PeerBookStatistics"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PEERS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBookStatistics:
+    peers: int
+    banned: int
+    strikes: int
+    records_rejected: int
+
+
+class PeerBook:
+    """Signed peer records by peer id (a higher ``seq`` replaces) and a strike count per
+    peer id or remote address; ``strikes_to_ban`` strikes ban it for ``ban_s`` seconds."""
+
+    def __init__(self, network_id: str, *, self_id: str, strikes_to_ban: int, ban_s: float) -> None:
+        self.network_id = network_id
+        self.self_id = self_id
+        self.strikes_to_ban = strikes_to_ban
+        self.ban_s = ban_s
+        self._records: dict[str, Signed[PeerRecord]] = {}
+        self._strikes: dict[str, int] = {}
+        self._banned_until: dict[str, float] = {}
+        self._total_strikes = 0
+        self._rejected = 0
+
+    def add(self, signed: Signed[PeerRecord]) -> bool:
+        """Keep a verified record if it is news; return True when it changed the book."""
+        record = signed.record
+        if record.network_id != self.network_id:
+            self._rejected += 1
+            raise ProtocolViolation("peer record is for another network")
+        peer_id = record.peer_id
+        if peer_id == self.self_id:
+            return False
+        held = self._records.get(peer_id)
+        if held is not None and held.record.seq >= record.seq:
+            return False
+        if held is None and len(self._records) >= MAX_PEERS:
+            return False
+        self._records[peer_id] = signed
+        return True
+
+    def get(self, peer_id: str) -> Signed[PeerRecord] | None:
+        return self._records.get(peer_id)
+
+    def __iter__(self) -> Iterator[Signed[PeerRecord]]:
+        return iter(list(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def strike(self, who: str, reason: str, now: float) -> bool:
+        """Count one offence against ``who``; return True when this strike bans it."""
+        self._total_strikes += 1
+        count = self._strikes.get(who, 0) + 1
+        self._strikes[who] = count
+        logger.warning(
+            "peer %s: %s (strike %d of %d)", who[:16], reason, count, self.strikes_to_ban
+        )
+        if count >= self.strikes_to_ban:
+            self._strikes.pop(who, None)
+            self._banned_until[who] = now + self.ban_s
+            logger.warning("peer %s banned for %.0f s", who[:16], self.ban_s)
+            return True
+        return False
+
+    def ban(self, who: str, reason: str, now: float) -> None:
+        logger.warning("peer %s banned for %.0f s: %s", who[:16], self.ban_s, reason)
+        self._banned_until[who] = now + self.ban_s
+
+    def banned(self, who: str, now: float) -> bool:
+        until = self._banned_until.get(who)
+        if until is None:
+            return False
+        if until <= now:
+            del self._banned_until[who]
+            return False
+        return True
+
+    def statistics(self) -> PeerBookStatistics:
+        return PeerBookStatistics(
+            peers=len(self._records),
+            banned=len(self._banned_until),
+            strikes=self._total_strikes,
+            records_rejected=self._rejected,
+        )

@@ -1,0 +1,288 @@
+"""The node's HTTP server (aiohttp): blobs, records, the gossip socket and the relay.
+
+Routes (all but ``/metrics`` need credentials, see :mod:`p2ptrain.net.auth`):
+
+* ``GET/HEAD /v1/blobs/{id}`` -- a blob, with ``Range`` (sent with ``sendfile``);
+* ``POST /v1/blobs`` -- a peer pushes a blob: ``P2PTrain-Blob-Id`` and ``Content-Length``
+  are required; the bytes are streamed to disk, hashed, and stored only if they hash to the
+  id;
+* ``GET /v1/peers`` -- signed peer records; ``GET /v1/heads/{experiment}?after=H`` -- the
+  certified head chain above height H;
+* ``GET /ws`` -- the gossip WebSocket;
+* ``GET /v1/relay/{peer id}/v1/...`` -- the same requests, answered by a private peer
+  connected to this node;
+* ``GET /metrics`` -- Prometheus text, from loopback only.
+
+Bad requests are answered with a status and a one-line reason, counted against the caller's
+address (or peer id once known), and never disturb other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import ipaddress
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
+from p2ptrain.net.client import BLOB_ID_HEADER
+from p2ptrain.net.config import NetConfig
+from p2ptrain.net.connection import PeerConnection
+from p2ptrain.net.content import Answer, LocalContent
+from p2ptrain.net.limits import TokenBucket
+from p2ptrain.net.peers import PeerBook
+from p2ptrain.net.relay import RelayHub
+from p2ptrain.store.blobs import validate_blob_id
+
+__all__ = ["NodeServer", "ServerStatistics"]
+
+logger = logging.getLogger(__name__)
+
+#: The caller admitted by the guard, for the handler it calls (same task, same context).
+_ADMITTED: contextvars.ContextVar[Admitted] = contextvars.ContextVar("admitted")
+_REFUSALS_PER_S = 20.0
+_REFUSAL_BURST = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatistics:
+    requests: int
+    refused: int
+    bad_requests: int
+    blobs_served: int
+    blobs_received: int
+    bytes_received: int
+
+
+REASON_HEADER = "P2PTrain-Reason"
+
+
+def _reply(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
+    """A short answer; the reason is also in a header, so HEAD requests carry it too."""
+    headers = {**(headers or {}), REASON_HEADER: reason[:300].encode("ascii", "replace").decode()}
+    return web.Response(status=status, text=reason + "\n", headers=headers)
+
+
+class NodeServer:
+    """Builds the aiohttp application; the node owns the runner and the sockets."""
+
+    def __init__(
+        self,
+        config: NetConfig,
+        *,
+        gatekeeper: Gatekeeper,
+        content: LocalContent,
+        peers: PeerBook,
+        relay: RelayHub,
+        connection_to: Callable[[str], PeerConnection | None],
+        on_socket: Callable[[web.WebSocketResponse, Admitted, str], Awaitable[None]],
+        inbound_full: Callable[[], bool],
+        metrics: Callable[[], Iterator[tuple[str, float]]],
+    ) -> None:
+        self.config = config
+        self.gatekeeper = gatekeeper
+        self.content = content
+        self.peers = peers
+        self.relay = relay
+        self._connection_to = connection_to
+        self._on_socket = on_socket
+        self._inbound_full = inbound_full
+        self._metrics = metrics
+        self._buckets: dict[str, TokenBucket] = {}
+        self._refusals: dict[str, TokenBucket] = {}
+        self._requests = self._refused = self._bad = 0
+        self._served = self._received = self._received_bytes = 0
+
+    def application(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._guard],
+            client_max_size=self.config.max_upload_bytes + 1,
+            handler_args={"max_field_size": 8190, "max_line_size": 8190},
+        )
+        app.router.add_get("/metrics", self._metrics_page)
+        app.router.add_get("/ws", self._socket)
+        app.router.add_post("/v1/blobs", self._upload)
+        app.router.add_get(r"/v1/blobs/{blob_id}", self._blob)
+        app.router.add_get(r"/v1/relay/{peer_id:[0-9a-f]{64}}/{rest:.*}", self._relayed)
+        app.router.add_get(r"/v1/{rest:.*}", self._record)
+        return app
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(
+            requests=self._requests,
+            refused=self._refused,
+            bad_requests=self._bad,
+            blobs_served=self._served,
+            blobs_received=self._received,
+            bytes_received=self._received_bytes,
+        )
+
+    # -- the door -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        self._requests += 1
+        remote = request.remote or "?"
+        now = time.monotonic()
+        if request.path == "/metrics":
+            return await handler(request)
+        refusals = self._refusals.get(remote)
+        if refusals is not None and refusals.take(0, now) > 0:
+            self._refused += 1
+            return _reply(429, "too many refused requests from this address; slow down")
+        try:
+            admitted = self.gatekeeper.admit(
+                request.headers.get("Authorization"), request.method, request.path_qs
+            )
+        except ProtocolViolation as exc:
+            status = exc.status if isinstance(exc, Refusal) else 400
+            self._refused += 1
+            if status == 401 and isinstance(exc, Refusal):
+                challenge = self.gatekeeper.challenge_header(exc.nonce)
+                return _reply(401, exc.reason, {"WWW-Authenticate": challenge})
+            self._count_refusal(remote, now)
+            logger.warning("refused %s %s from %s: %s", request.method, request.path, remote, exc)
+            return _reply(status, f"refused: {exc}")
+        if self.peers.banned(admitted.peer_id, now):
+            self._refused += 1
+            return _reply(403, "banned for misbehaving; try again later")
+        bucket = self._buckets.get(admitted.peer_id)
+        if bucket is None:
+            if len(self._buckets) > 100_000:
+                self._buckets.clear()
+            bucket = TokenBucket(self.config.requests_per_s, self.config.request_burst, now)
+            self._buckets[admitted.peer_id] = bucket
+        wait = bucket.take(1, now)
+        if wait > 0:
+            self._refused += 1
+            return _reply(429, "too many requests", {"Retry-After": str(max(1, round(wait)))})
+        _ADMITTED.set(admitted)
+        return await handler(request)
+
+    def _count_refusal(self, remote: str, now: float) -> None:
+        """Refused requests cost us a signature check each: an address that keeps sending
+        them is answered 429 without checking, until its bucket refills."""
+        bucket = self._refusals.get(remote)
+        if bucket is None:
+            if len(self._refusals) > 100_000:
+                self._refusals.clear()
+            bucket = TokenBucket(_REFUSALS_PER_S, _REFUSAL_BURST, now)
+            self._refusals[remote] = bucket
+        bucket.take(1, now)
+
+    # -- handlers -------------------------------------------------------------------------
+
+    async def _blob(self, request: web.Request) -> web.StreamResponse:
+        try:
+            blob_id = validate_blob_id(request.match_info["blob_id"])
+        except ProtocolViolation as exc:
+            self._bad += 1
+            return _reply(400, str(exc))
+        if not self.content.blobs.has(blob_id):
+            return _reply(404, f"this node does not hold blob {blob_id}")
+        self._served += 1
+        return web.FileResponse(
+            self.content.blobs.path(blob_id),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    async def _record(self, request: web.Request) -> web.StreamResponse:
+        return _send_answer(self.content.answer(request.method, request.path_qs))
+
+    async def _upload(self, request: web.Request) -> web.StreamResponse:
+        admitted = _ADMITTED.get()
+        try:
+            blob_id = validate_blob_id(request.headers.get(BLOB_ID_HEADER))
+        except ProtocolViolation as exc:
+            self._bad += 1
+            return _reply(400, f"{BLOB_ID_HEADER}: {exc}")
+        size = request.content_length
+        if size is None:
+            return _reply(411, "Content-Length is required to push a blob")
+        if size > self.config.max_upload_bytes:
+            return _reply(413, f"blob of {size} bytes exceeds this node's limit")
+        if self.content.blobs.has(blob_id):
+            return _reply(200, "already held")
+        loop = asyncio.get_running_loop()
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                chunk = asyncio.run_coroutine_threadsafe(request.content.readany(), loop).result()
+                if not chunk:
+                    return
+                yield chunk
+
+        try:
+            await asyncio.to_thread(
+                self.content.blobs.put_stream, chunks(), expected_id=blob_id, max_bytes=size
+            )
+        except ProtocolViolation as exc:
+            self._bad += 1
+            self.peers.strike(admitted.peer_id, f"pushed a bad blob: {exc}", time.monotonic())
+            return _reply(400, str(exc))
+        self._received += 1
+        self._received_bytes += size
+        return _reply(201, "stored")
+
+    async def _socket(self, request: web.Request) -> web.StreamResponse:
+        admitted = _ADMITTED.get()
+        if self._inbound_full():
+            return _reply(503, "this node has all the inbound connections it takes")
+        ws = web.WebSocketResponse(
+            max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, timeout=2.0, compress=False
+        )
+        ws.headers[SERVER_HEADER] = self.gatekeeper.server_proof(admitted.cnonce)
+        await ws.prepare(request)
+        await self._on_socket(ws, admitted, request.remote or "?")
+        return ws
+
+    async def _relayed(self, request: web.Request) -> web.StreamResponse:
+        connection = self._connection_to(request.match_info["peer_id"])
+        if connection is None:
+            return _reply(404, "that peer is not connected to this relay")
+        target = "/" + request.match_info["rest"]
+        if request.query_string:
+            target += "?" + request.query_string
+        try:
+            head, body = await self.relay.forward(
+                connection, request.method, target, request.headers.get("Range")
+            )
+        except TransportError as exc:
+            return _reply(502, str(exc))
+        response = web.StreamResponse(status=head.status, headers=head.headers)
+        await response.prepare(request)
+        try:
+            async for chunk in body:
+                await response.write(chunk)
+        except TransportError as exc:
+            logger.info("relay to %s broke off: %s", connection.peer_id[:16], exc)
+            raise ConnectionResetError(str(exc)) from exc
+        await response.write_eof()
+        return response
+
+    async def _metrics_page(self, request: web.Request) -> web.StreamResponse:
+        if not _is_loopback(request.remote):
+            return _reply(403, "metrics are served to loopback only")
+        lines = [f"p2ptrain_{name} {value}" for name, value in self._metrics()]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _send_answer(answer: Answer) -> web.StreamResponse:
+    if answer.file is not None:
+        return web.FileResponse(answer.file, headers=answer.headers)
+    return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+
+
+def _is_loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
