@@ -1,0 +1,1 @@
+"""Network layer: HTTP/WebSocket server, gossip, discovery, blob transfer, relay."""
