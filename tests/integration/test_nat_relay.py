@@ -3,14 +3,17 @@ and a private validator serves its blob through the seed's relay (loopback proce
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
 
 from tests.support.net_children import NodeProcess, spawn_node, wait_until
+from tests.support.netns import NetnsLab, netns_lab_fixture
 
 pytestmark = pytest.mark.integration
-__all__ = ["spawn_node"]
+__all__ = ["netns_lab_fixture", "spawn_node"]
 
 
 def connected(node: NodeProcess, peer: NodeProcess) -> Callable[[], bool]:
@@ -52,3 +55,76 @@ def test_a_private_validator_serves_its_blob_through_the_seed_relay(
     fetched = trainer.ask(cmd="fetch", peer=validator.peer_id, blob=blob)
     assert fetched["verified"] and fetched["bytes"] == 5_000_000
     assert fetched["via"] == via
+
+
+@pytest.mark.netns
+def test_nat_in_network_namespaces(
+    spawn_node: Callable[..., NodeProcess], netns_lab: NetnsLab
+) -> None:
+    """A seed namespace joined to two host namespaces that cannot reach each other (no
+    forwarding): the trainer host runs no server and publishes through the seed; the
+    validator host runs no server either and serves its blob through the seed's relay."""
+    seed_ns = netns_lab.namespace("seed")
+    a_ns = netns_lab.namespace("validator")
+    b_ns = netns_lab.namespace("trainer")
+    seed_a, a_addr = netns_lab.link(seed_ns, a_ns, 1)
+    seed_b, _ = netns_lab.link(seed_ns, b_ns, 2)
+    for ns, gateway in ((a_ns, seed_a), (b_ns, seed_b)):
+        subprocess.run(["ip", "-n", ns, "route", "add", "default", "via", gateway], check=True)
+    port = 7700  # a fresh namespace has every port free
+    seed_urls = [f"http://{seed_a}:{port}", f"http://{seed_b}:{port}"]
+    seed = spawn_node(
+        prefix=["ip", "netns", "exec", seed_ns],
+        seed="seed",
+        host="0.0.0.0",
+        config={"port": port, "advertise": seed_urls},
+    )
+    validator = spawn_node(
+        prefix=["ip", "netns", "exec", a_ns],
+        seed="validator",
+        host=None,
+        roles=["validator"],
+        relay=seed_urls[0],
+    )
+    trainer = spawn_node(
+        prefix=["ip", "netns", "exec", b_ns],
+        seed="trainer",
+        host=None,
+        roles=["trainer"],
+        bootstrap=[seed_urls[1]],
+    )
+    wait_until(connected(seed, validator), 30, "the validator's socket to the seed")
+    wait_until(connected(seed, trainer), 30, "the trainer's socket to the seed")
+    # The two hosts have no route to each other.
+    probe = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            b_ns,
+            sys.executable,
+            "-c",
+            f"import socket; socket.create_connection(('{a_addr}', 9), timeout=1)",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    # Refused would mean the packet arrived; unreachable or a timeout means no route.
+    assert probe.returncode != 0
+    assert "ConnectionRefused" not in probe.stderr, probe.stderr
+
+    # The trainer publishes its update blob by pushing it to the seed.
+    blob = trainer.ask(cmd="put_blob", size=2_000_000, seed=1)["blob"]
+    assert trainer.ask(cmd="push", address=seed_urls[1], blob=blob)["pushed"] is True
+    fetched = validator.ask(cmd="fetch", address=seed_urls[0], blob=blob)
+    assert fetched["verified"]
+
+    # The private validator's blob reaches the trainer through the seed's relay.
+    def learned() -> bool:
+        return trainer.ask(cmd="address_of", peer=validator.peer_id)["address"] is not None
+
+    wait_until(learned, 30, "the trainer to learn the validator's record")
+    mine = validator.ask(cmd="put_blob", size=3_000_000, seed=2)["blob"]
+    fetched = trainer.ask(cmd="fetch", peer=validator.peer_id, blob=mine)
+    assert fetched["verified"] and fetched["via"].startswith(seed_urls[0] + "/v1/relay/")
