@@ -7,9 +7,11 @@ transcript keyed with the network secret (the secret itself never travels). A
 ``certificate`` network also wants an admission certificate signed by one of the manifest's
 issuers for the caller's key.
 
-Nonces are stateless: a timestamp and random bytes authenticated with a per-process key, so
-a server keeps no table of them. A request without credentials, or with a stale nonce, gets
-``401`` with a fresh nonce in ``WWW-Authenticate`` and the client retries once.
+Server nonces are stateless: a timestamp and random bytes authenticated with a per-process
+key, so a server keeps no table of them; the client nonces it has accepted are remembered
+for the server nonce's lifetime, so a captured request cannot be replayed. A request without
+credentials, or with a stale nonce, gets ``401`` with a fresh nonce in ``WWW-Authenticate``
+and the client retries once.
 
 The server answers with ``P2PTrain-Server``: its own key, signature and secret proof over
 the client nonce, so a client knows it reached a member of the network, not an impostor.
@@ -35,6 +37,7 @@ from p2ptrain.core.identity import Identity, peer_id_of, verify_signature
 from p2ptrain.core.manifests import NetworkManifest
 from p2ptrain.core.records import AdmissionCertificate
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.net.limits import SeenSet
 
 __all__ = [
     "AUTH_SCHEME",
@@ -54,6 +57,7 @@ _MAX_CREDENTIAL_BYTES = 4096
 _CLIENT_LABEL = b"p2ptrain/v1/auth/client\x00"
 _SERVER_LABEL = b"p2ptrain/v1/auth/server\x00"
 _NONCE_BYTES = 32
+_USED_CNONCES = 1 << 18
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -156,6 +160,9 @@ class Gatekeeper:
         self._random = random_bytes
         self._nonce_key = random_bytes(32)
         self._admissions: OrderedDict[bytes, AdmissionCertificate] = OrderedDict()
+        # Client nonces already used: a captured request cannot be replayed while its
+        # server nonce is fresh (beyond the capacity, the oldest are forgotten first).
+        self._used = SeenSet(_USED_CNONCES, NONCE_TTL_MS + _CLOCK_SKEW_MS)
 
     def new_nonce(self) -> str:
         stamp = struct.pack(">Q", self._now_ms()) + self._random(8)
@@ -190,6 +197,8 @@ class Gatekeeper:
             raise Refusal(403, "credentials carry an invalid signature")
         if self.network.admission == "certificate":
             self._check_admission(creds)
+        if not self._used.add(creds.cnonce, self._now_ms()):
+            raise Refusal(401, "replayed credentials", nonce=self.new_nonce())
         return Admitted(creds.public_key, peer_id_of(creds.public_key), creds.cnonce)
 
     def server_proof(self, cnonce: bytes) -> str:

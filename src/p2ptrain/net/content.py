@@ -27,7 +27,7 @@ __all__ = ["Answer", "LocalContent", "parse_range"]
 MAX_LINKS_PER_ANSWER = 256
 _BLOB_PATH = re.compile(r"/v1/blobs/([0-9a-f]{64})")
 _HEADS_PATH = re.compile(r"/v1/heads/([0-9a-f]{64})")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,7 +111,7 @@ class GossipRouter:
         """Flood our own message. Returns False when it was already seen. Raises
         ProtocolViolation if it would not pass our own checks (a bug on our side)."""
         message_id = hashlib.sha256(data).digest()
-        if message_id in self._seen:
+        if self._seen.seen(message_id, time.monotonic()):
             return False
         delivered = Delivered(topic, kind, data, _verify(kind, data), from_peer="")
         self._seen.add(message_id, time.monotonic())

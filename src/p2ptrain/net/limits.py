@@ -43,12 +43,20 @@ class SeenSet:
         return message_id in self._seen
 
     def add(self, message_id: bytes, now: float) -> bool:
-        """Record ``message_id``; return False if it was already there (a duplicate)."""
+        """Record ``message_id``; return False if it was seen within ``ttl`` (a duplicate)."""
+        self._expire(now)
         if message_id in self._seen:
             return False
         self._seen[message_id] = now
-        while self._seen and (
-            len(self._seen) > self.capacity or next(iter(self._seen.values())) < now - self.ttl
-        ):
+        if len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
         return True
+
+    def seen(self, message_id: bytes, now: float) -> bool:
+        """Whether ``message_id`` was seen within ``ttl``."""
+        self._expire(now)
+        return message_id in self._seen
+
+    def _expire(self, now: float) -> None:
+        while self._seen and next(iter(self._seen.values())) < now - self.ttl:
+            self._seen.popitem(last=False)

@@ -15,6 +15,7 @@ __all__ = ["PeerBook", "PeerBookStatistics"]
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 10_000
+MAX_TRACKED = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class PeerBook:
 
     def strike(self, who: str, reason: str, now: float) -> bool:
         """Count one offence against ``who``; return True when this strike bans it."""
+        self._prune(now)
         self._total_strikes += 1
         count = self._strikes.get(who, 0) + 1
         self._strikes[who] = count
@@ -82,8 +84,17 @@ class PeerBook:
         return False
 
     def ban(self, who: str, reason: str, now: float) -> None:
+        self._prune(now)
         logger.warning("peer %s banned for %.0f s: %s", who[:16], self.ban_s, reason)
         self._banned_until[who] = now + self.ban_s
+
+    def _prune(self, now: float) -> None:
+        """Keep the tables bounded: expired bans go, and the oldest strike counts go first
+        when too many keys (free to make on an open network) have one."""
+        for key in [k for k, until in self._banned_until.items() if until <= now]:
+            del self._banned_until[key]
+        while len(self._strikes) >= MAX_TRACKED:
+            del self._strikes[next(iter(self._strikes))]
 
     def banned(self, who: str, now: float) -> bool:
         until = self._banned_until.get(who)
