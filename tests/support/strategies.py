@@ -27,6 +27,7 @@ from p2ptrain.core.manifests import (
 from p2ptrain.core.records import (
     REACHABILITY,
     ROLES,
+    AdmissionCertificate,
     Attestation,
     Head,
     PeerRecord,
@@ -237,6 +238,16 @@ def certificates(draw: st.DrawFn) -> QuorumCertificate:
     )
 
 
+@st.composite
+def admissions(draw: st.DrawFn, issuer: bytes | None = None) -> AdmissionCertificate:
+    return AdmissionCertificate(
+        network_id=draw(hex_ids),
+        subject=draw(keys),
+        issuer=issuer if issuer is not None else draw(keys),
+        not_after_ms=draw(st.integers(0, 2**50)),
+    )
+
+
 #: Each signed kind with a strategy that takes the author key.
 AUTHORED = {
     "network": network_manifests,
@@ -245,4 +256,5 @@ AUTHORED = {
     "update": updates,
     "proposal": proposals,
     "attestation": attestations,
+    "admission": admissions,
 }
