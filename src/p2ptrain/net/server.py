@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
 from p2ptrain.net.client import BLOB_ID_HEADER
 from p2ptrain.net.config import NetConfig
@@ -186,13 +186,12 @@ class NodeServer:
         except ProtocolViolation as exc:
             self._bad += 1
             return _reply(400, str(exc))
-        if not self.content.blobs.has(blob_id):
+        try:
+            path = self.content.blobs.path(blob_id)
+        except BlobNotFound:
             return _reply(404, f"this node does not hold blob {blob_id}")
         self._served += 1
-        return web.FileResponse(
-            self.content.blobs.path(blob_id),
-            headers={"Content-Type": "application/octet-stream"},
-        )
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def _record(self, request: web.Request) -> web.StreamResponse:
         return _send_answer(self.content.answer(request.method, request.path_qs))
@@ -247,7 +246,7 @@ class NodeServer:
     async def _relayed(self, request: web.Request) -> web.StreamResponse:
         connection = self._connection_to(request.match_info["peer_id"])
         if connection is None:
-            return _reply(404, "that peer is not connected to this relay")
+            return _reply(503, "that peer is not connected to this relay now; try later")
         target = "/" + request.match_info["rest"]
         if request.query_string:
             target += "?" + request.query_string

@@ -5,6 +5,8 @@ Layout under ``root``::
     root/ab/<64-hex id>   visible blobs, fanned out by the first two hex digits
     root/tmp/             temporaries; never visible as blobs
     root/corrupt/         blobs whose bytes stopped matching their id, as ``<id>.<n>``
+    root/partial/         downloads in progress (:mod:`p2ptrain.net.partial_file`): the
+                          partial file ``<id>`` and its record of ranges ``<id>.json``
     root/.lock            flock: shared by every open store, exclusive while cleaning tmp/
 
 Opening a store removes the temporaries of crashed writers, unless another store (in this
@@ -26,6 +28,7 @@ hashed (see :mod:`p2ptrain.store.blob_io`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -222,6 +225,44 @@ class BlobStore:
                 )
             os.fsync(fd)
             return self._publish(tmp_path, digest, total)
+
+    def adopt_verified(self, path: str | os.PathLike[str], blob_id: str, size: int) -> str:
+        """Make the file at ``path``, whose bytes the caller has checked hash to ``blob_id``,
+        visible as that blob: fsync it and rename it into place. Returns ``blob_id``.
+
+        The store does not re-hash the file: only pass files you verified yourself (the
+        blob fetcher hashes while it downloads). ``path`` must be on the store's filesystem,
+        e.g. a directory under :attr:`root`; it is gone afterwards (also when the blob was
+        already there).
+        """
+        self._require_open()
+        _require_local_id(blob_id)
+        source = Path(path)
+        if size > self._max_blob_bytes:
+            raise LocalError(
+                f"blob of {size} bytes exceeds max_blob_bytes={self._max_blob_bytes}; "
+                "open the store with a larger max_blob_bytes"
+            )
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise LocalError(
+                    f"{source} holds {actual} bytes, not the {size} of blob {blob_id}; "
+                    "adopt only the complete, verified file"
+                )
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            return self._publish(str(source), blob_id, size)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            raise LocalError(
+                f"cannot move {source} into the blob store at {self._root}: {exc}; "
+                "keep files to adopt on the store's filesystem (under its root)"
+            ) from exc
 
     # -- reading -------------------------------------------------------------------------
 

@@ -1,0 +1,334 @@
+"""Blob downloads between real processes on loopback: failover when a provider dies
+mid-transfer, a provider serving corrupted bytes found and reported, resume after a
+cancelled fetch, and a clear error when nobody holds the blob.
+
+Each provider is a child process (``tests/support/blob_provider_child.py``) running a
+NetNode with its own store; it reports its address on stdout. The tests wait for conditions
+(never sleep) and a fixture reaps every child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.net.auth import ClientCredentials
+from p2ptrain.net.client import PeerClient
+from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.store.blobs import BlobStore
+from tests.support.blob_provider_child import identity, network
+
+pytestmark = pytest.mark.integration
+
+CHILD = Path(__file__).parents[1] / "support" / "blob_provider_child.py"
+SEED = 20_250_601
+UP_TIMEOUT_S = 30.0
+MIB = 1 << 20
+T = TypeVar("T")
+
+
+@dataclass
+class Provider:
+    label: str
+    process: subprocess.Popen[bytes]
+    address: str
+    blob: str | None
+
+
+Spawn = Callable[..., list[Provider]]
+
+
+@pytest.fixture
+def spawn_providers(tmp_path: Path) -> Iterator[Spawn]:
+    """Start provider children (all at once) and wait for their addresses; on teardown
+    close their stdin, and kill any that does not exit."""
+    children: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*specs: dict[str, Any]) -> list[Provider]:
+        started = []
+        for spec in specs:
+            label = spec["seed"]
+            argument = json.dumps({"data_dir": str(tmp_path / f"provider-{label}"), **spec})
+            with open(tmp_path / f"provider-{label}.log", "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, str(CHILD), argument],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                )
+            children.append(process)
+            started.append((label, process))
+        return [
+            Provider(label, process, up["address"], up["blob"])
+            for label, process in started
+            for up in [_first_line(process, tmp_path / f"provider-{label}.log")]
+        ]
+
+    yield spawn
+    for process in children:
+        if process.stdin is not None and not process.stdin.closed:
+            process.stdin.close()
+    for process in children:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def _first_line(process: subprocess.Popen[bytes], log: Path) -> dict[str, Any]:
+    lines: queue.Queue[bytes] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=UP_TIMEOUT_S)
+    except queue.Empty:
+        pytest.fail(f"provider sent no address within {UP_TIMEOUT_S}s: {log.read_text()}")
+    if not line:
+        pytest.fail(f"provider exited with {process.wait()}: {log.read_text()}")
+    up: dict[str, Any] = json.loads(line)
+    return up
+
+
+def seeded_blob(tmp_path: Path, size: int, seed: int) -> tuple[Path, bytes, str]:
+    print(f"blob of {size} bytes from seed {seed}")
+    data = random.Random(seed).randbytes(size)
+    path = tmp_path / f"blob-{seed}"
+    path.write_bytes(data)
+    return path, data, hashlib.sha256(data).hexdigest()
+
+
+def with_fetcher(root: Path, scenario: Callable[[BlobFetcher], Awaitable[T]], **options: Any) -> T:
+    async def run() -> T:
+        client = PeerClient(ClientCredentials(network(), identity("fetcher"), secret=None))
+        try:
+            with BlobStore(root) as store:
+                return await scenario(BlobFetcher(client, store, **options))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def partial_files(root: Path) -> list[str]:
+    directory = root / "partial"
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+def stored(root: Path, blob: str) -> bytes:
+    with BlobStore(root) as store:
+        return bytes(store.get(blob))  # get() verifies the hash
+
+
+def test_a_provider_killed_mid_transfer_is_replaced_from_the_byte_reached(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 64 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED)
+    providers = spawn_providers(*({"seed": f"p{i}", "blob": str(path)} for i in range(3)))
+    victim = providers[1]
+    killed_after: list[int] = []
+
+    def kill_victim(address: str, received: int) -> None:
+        if address == victim.address and not killed_after:
+            victim.process.send_signal(signal.SIGKILL)
+            killed_after.append(received)
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        result = await fetcher.fetch(blob, [p.address for p in providers], on_progress=kill_victim)
+        return result, fetcher.statistics()
+
+    # One stream per provider and 16 MiB chunks: the victim's first chunk cannot have been
+    # sent whole before the kill (socket buffers hold a few MiB), and a chunk is left over
+    # for it to ask for, so it fails either way.
+    result, statistics = with_fetcher(
+        tmp_path / "fetcher", scenario, chunk_bytes=16 * MIB, streams_per_provider=1
+    )
+    assert victim.process.wait(timeout=10) == -signal.SIGKILL
+    assert killed_after, "the victim never sent a byte"
+    assert result.size == size
+    assert victim.address in result.failed_providers
+    assert result.bad_providers == ()
+    assert 0 < result.bytes_by_provider[victim.address] < size
+    # The victim's unfinished chunk went on from the byte reached: no byte was fetched twice.
+    assert sum(result.bytes_by_provider.values()) == size
+    assert statistics.failovers >= 1 and statistics.fetches == 1
+    assert stored(tmp_path / "fetcher", blob) == data
+    assert partial_files(tmp_path / "fetcher") == []
+
+
+def test_a_provider_serving_corrupted_bytes_is_proven_bad_and_reported(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 32 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 1)
+    honest = {"blob": str(path)}
+    providers = spawn_providers(
+        {"seed": "honest-1", **honest},
+        {"seed": "liar", **honest, "corrupt_every": MIB},
+        {"seed": "honest-2", **honest},
+    )
+    liar = providers[1]
+    reports: list[tuple[str, str]] = []
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        result = await fetcher.fetch(blob, [p.address for p in providers], size=size)
+        return result, fetcher.statistics()
+
+    result, statistics = with_fetcher(
+        tmp_path / "fetcher",
+        scenario,
+        chunk_bytes=4 * MIB,
+        on_bad_provider=lambda address, reason: reports.append((address, reason)),
+    )
+    assert [address for address, _ in reports] == [liar.address]
+    assert "differ from the blob that verified" in reports[0][1]
+    assert result.bad_providers == (liar.address,)
+    assert statistics.bad_providers == 1
+    assert stored(tmp_path / "fetcher", blob) == data
+    assert partial_files(tmp_path / "fetcher") == []
+
+
+def test_when_no_provider_serves_matching_bytes_nobody_is_blamed(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 8 * MIB
+    path, _, blob = seeded_blob(tmp_path, size, SEED + 2)
+    providers = spawn_providers(
+        {"seed": "liar-1", "blob": str(path), "corrupt_every": MIB},
+        {"seed": "liar-2", "blob": str(path), "corrupt_every": 3 * MIB},
+    )
+    reports: list[tuple[str, str]] = []
+
+    async def scenario(fetcher: BlobFetcher) -> None:
+        await fetcher.fetch(blob, [p.address for p in providers])
+
+    with pytest.raises(ProtocolViolation, match="no provider served bytes matching blob"):
+        with_fetcher(
+            tmp_path / "fetcher",
+            scenario,
+            chunk_bytes=2 * MIB,
+            on_bad_provider=lambda address, reason: reports.append((address, reason)),
+        )
+    assert reports == []
+    with BlobStore(tmp_path / "fetcher") as store:
+        assert not store.has(blob)
+    assert partial_files(tmp_path / "fetcher") == []
+
+
+def test_a_cancelled_fetch_resumes_from_the_partial_file(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 48 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 3)
+    (provider,) = spawn_providers({"seed": "p", "blob": str(path)})
+    root = tmp_path / "fetcher"
+
+    async def cancel_midway(fetcher: BlobFetcher) -> None:
+        halfway = asyncio.Event()
+
+        def progress(_: str, received: int) -> None:
+            if received >= size // 2:
+                halfway.set()
+
+        fetch = asyncio.create_task(fetcher.fetch(blob, [provider.address], on_progress=progress))
+        async with asyncio.timeout(UP_TIMEOUT_S):
+            await halfway.wait()
+        fetch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetch
+
+    with_fetcher(root, cancel_midway, chunk_bytes=4 * MIB)
+    assert partial_files(root) == [blob, f"{blob}.json"]
+
+    async def fetch_again(fetcher: BlobFetcher) -> Any:
+        return await fetcher.fetch(blob, [provider.address]), fetcher.statistics()
+
+    result, statistics = with_fetcher(root, fetch_again, chunk_bytes=4 * MIB)
+    assert size // 4 <= result.resumed_bytes < size
+    assert result.bytes_by_provider[provider.address] == size - result.resumed_bytes
+    assert statistics.resumes == 1
+    assert stored(root, blob) == data
+    assert partial_files(root) == []
+
+
+def test_ranges_come_through_a_seed_relay_from_a_provider_with_no_server(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 12 * MIB + 12345
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 4)
+    (seed,) = spawn_providers({"seed": "seed"})
+    (private,) = spawn_providers({"seed": "private", "blob": str(path), "relay": seed.address})
+    assert private.address == f"{seed.address}/v1/relay/{identity('private').peer_id}"
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        return await fetcher.fetch(blob, [private.address])  # HEAD, then ranges, relayed
+
+    result = with_fetcher(tmp_path / "fetcher", scenario, chunk_bytes=4 * MIB)
+    assert result.size == size
+    assert result.bytes_by_provider == {private.address: size}
+    assert result.failed_providers == ()
+    assert stored(tmp_path / "fetcher", blob) == data
+
+
+def test_nobody_holding_the_blob_is_a_transport_error_that_names_every_provider(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    blob = hashlib.sha256(b"a blob nobody has").hexdigest()
+    providers = spawn_providers({"seed": "empty-1"}, {"seed": "empty-2"})
+    addresses = [p.address for p in providers]
+
+    for size in (None, MIB):  # asking for the size (HEAD), then knowing it (GET)
+
+        async def scenario(fetcher: BlobFetcher, size: int | None = size) -> None:
+            await fetcher.fetch(blob, addresses, size=size)
+
+        with pytest.raises(TransportError) as caught:
+            with_fetcher(tmp_path / "fetcher", scenario)
+        message = str(caught.value)
+        assert f"none of the 2 provider(s) could deliver blob {blob}" in message
+        assert all(address in message for address in addresses)
+        assert "404" in message
+        assert partial_files(tmp_path / "fetcher") == []
+
+
+def test_the_transfer_bench_reports_every_figure_at_a_tiny_size(tmp_path: Path) -> None:
+    out_dir = tmp_path / "results"
+    options = ["--mib", "4", "--repeats", "1", "--gossip-nodes", "4", "--gossip-messages", "5"]
+    options += ["--gossip-processes", "2", "--workdir", str(tmp_path), "--out-dir", str(out_dir)]
+    finished = subprocess.run(
+        [sys.executable, "-m", "p2ptrain.cli.main", "bench", "transfer", "--json", *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert finished.returncode == 0, finished.stderr
+    printed = json.loads(finished.stdout)
+    assert json.loads((out_dir / "transfer.json").read_text()) == printed
+    for key in ("baseline", "single_provider", "multi_provider"):
+        assert printed[f"{key}_mb_s"] > 0
+    assert printed["single_provider_ratio"] > 0 and printed["multi_provider_ratio"] > 0
+    assert (printed["mib"], printed["gossip_nodes"], printed["gossip_messages"]) == (4, 4, 5)
+    assert printed["gossip_deliveries"] == 5 * 3  # every message reached the 3 other nodes
+    assert 0 < printed["gossip_p50_ms"] <= printed["gossip_p99_ms"] <= printed["gossip_max_ms"]
+    assert "4 NetNodes in 2 child processes" in printed["gossip_setup"]
+    assert sorted(os.listdir(tmp_path)) == ["results"]  # the scratch directory is gone
