@@ -108,6 +108,7 @@ class Child:
                 "delivered": self.delivered,
                 "repeats": self.repeats,
                 "connections": sorted(self.node.gossip.connections),
+                "opened": self.node.statistics().connections_opened,
                 "gossip": self.node.gossip.statistics().__repr__(),
             }
         if name == "publish":

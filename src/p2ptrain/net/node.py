@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 _RELAY_ANSWERS_PER_CONNECTION = 8
 _DIAL_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
+#: With all the outbound connections it wants, a node still asks a neighbour for peer
+#: records every this many discovery rounds.
+_PEX_EVERY_ROUNDS = 15
 
 
 def network_topic(network_id: str) -> str:
@@ -68,6 +71,8 @@ class NetNodeStatistics:
     address: str | None
     outbound: int
     inbound: int
+    #: Connections registered since start (churn shows as this growing while idle).
+    connections_opened: int
     gossip: GossipStatistics
     peers: PeerBookStatistics
     relay: RelayStatistics
@@ -130,6 +135,9 @@ class NetNode:
         self._stopping = asyncio.Event()
         self._dialing: set[str] = set()
         self._failures: dict[str, tuple[int, float]] = {}
+        self._peer_at: dict[str, str] = {}  # address -> the peer id it proved last time
+        self._rounds = 0
+        self._opened = 0
         self._lan: Any = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -297,6 +305,7 @@ class NetNode:
             )
         finally:
             self._dialing.discard(address)
+        self._peer_at[address] = peer_id
         if expect is not None and peer_id != expect:
             await ws.close()
             raise TransportError(f"{address} is peer {peer_id[:16]}, not {expect[:16]}")
@@ -323,6 +332,7 @@ class NetNode:
                 return False
             self.spawn(held.close("duplicate connection"), "close-duplicate")
         self.gossip.connections[connection.peer_id] = connection
+        self._opened += 1
         return True
 
     async def _serve(self, connection: PeerConnection) -> None:
@@ -408,34 +418,42 @@ class NetNode:
             await asyncio.sleep(self.config.discovery_interval_s * (0.75 + self._rng.random() / 2))
 
     async def discover_once(self) -> None:
-        """Dial the seeds we are not connected to, learn peers from one neighbour, and dial
-        public peers until ``max_outbound`` connections are open."""
+        """Dial the seeds we are not connected to (and our relay, always), learn peers from
+        one neighbour, and dial public peers until ``max_outbound`` connections are open."""
         now = time.monotonic()
-        connected = [c.remote for c in self.gossip.connections.values()]
-        targets = [a for a in self.config.bootstrap if a not in connected and a != self.address]
-        if self.relay_address and self.relay_address not in connected + targets:
-            targets.append(self.relay_address)
+        self._rounds += 1
+
+        def linked(address: str) -> bool:
+            peer_id = self._peer_at.get(address)
+            return peer_id in self.gossip.connections or address == self.address
+
+        room = self.config.max_outbound - self._count(outbound=True)
+        seeds = [a for a in self.config.bootstrap if not linked(a)]
+        # A relayed node keeps its relay connection whatever its room.
+        relay = (
+            [self.relay_address] if self.relay_address and not linked(self.relay_address) else []
+        )
         neighbours = [
             address
             for peer_id in self.gossip.connections
             if (address := self.address_of(peer_id)) is not None and "/v1/relay/" not in address
         ]
-        if neighbours:
+        if neighbours and (room > 0 or self._rounds % _PEX_EVERY_ROUNDS == 1):
             await self._learn_peers(self._rng.choice(neighbours))
-        room = self.config.max_outbound - self._count(outbound=True)
         candidates = [
             address
             for signed in self.peers
             if signed.record.reachability == "public"
             and signed.record.peer_id not in self.gossip.connections
             and not self.peers.banned(signed.record.peer_id, now)
-            and signed.record.addresses[0] not in targets
             for address in signed.record.addresses[:1]
+            if address not in seeds and address not in relay
         ]
         self._rng.shuffle(candidates)
-        targets = [a for a in targets + candidates if self._may_dial(a, now)][: max(room, 0)]
-        if targets:
-            await asyncio.gather(*(self._dial(a) for a in targets))
+        dial = [a for a in seeds + candidates if self._may_dial(a, now)][: max(room, 0)]
+        dial += [a for a in relay if self._may_dial(a, now) and a not in dial]
+        if dial:
+            await asyncio.gather(*(self._dial(a) for a in dial))
 
     def _may_dial(self, address: str, now: float) -> bool:
         _failures, until = self._failures.get(address, (0, 0.0))
@@ -479,6 +497,7 @@ class NetNode:
             address=self.address,
             outbound=self._count(outbound=True),
             inbound=self._count(outbound=False),
+            connections_opened=self._opened,
             gossip=self.gossip.statistics(),
             peers=self.peers.statistics(),
             relay=self.relay.statistics(),
@@ -489,6 +508,7 @@ class NetNode:
         stats = self.statistics()
         yield "connections_outbound", stats.outbound
         yield "connections_inbound", stats.inbound
+        yield "connections_opened", stats.connections_opened
         for group in (stats.gossip, stats.peers, stats.relay, stats.server):
             if group is None:
                 continue
