@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import pytest
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient
+from p2ptrain.net.range_answer import BadAnswer, RangeRequest
+from p2ptrain.net.range_reader import RangeReader, RangeReaderStatistics
 from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.store.blobs import BlobStore
 from tests.support.blob_provider_child import identity, network
@@ -332,3 +335,266 @@ def test_the_transfer_bench_reports_every_figure_at_a_tiny_size(tmp_path: Path) 
     assert 0 < printed["gossip_p50_ms"] <= printed["gossip_p99_ms"] <= printed["gossip_max_ms"]
     assert "4 NetNodes in 2 child processes" in printed["gossip_setup"]
     assert sorted(os.listdir(tmp_path)) == ["results"]  # the scratch directory is gone
+
+
+# -- the plain-http range reader against a provider that misbehaves ------------------------
+
+
+class FakeProvider:
+    """A raw HTTP/1.1 server in the test's own event loop, on loopback, serving ``data`` as
+    blob ranges (a request without credentials gets a nonce, as from a real provider; the
+    credentials are not checked) and misbehaving as told: ``announced_size`` (a
+    Content-Range of a blob of another size), ``truncate_at`` (close after that many body
+    bytes of the first answer), ``extra`` (bytes after each body), ``header_bytes`` (a
+    header of that many bytes), ``silent`` (never answer a GET), ``drop_second`` (close a
+    connection when a second GET comes on it, as a server whose keep-alive timer runs out
+    just then), ``challenge_first`` (answer the first GET 401 with a new nonce, as a server
+    whose nonce expired), ``withhold`` (hold back the last byte of the first that many
+    answers until the next request is in: only a client that asks ahead gets them)."""
+
+    def __init__(
+        self,
+        data: bytes,
+        *,
+        announced_size: int | None = None,
+        truncate_at: int | None = None,
+        extra: bytes = b"",
+        header_bytes: int = 0,
+        silent: bool = False,
+        drop_second: bool = False,
+        challenge_first: bool = False,
+        withhold: int = 0,
+    ) -> None:
+        self.data = data
+        self.announced_size = announced_size
+        self.truncate_at = truncate_at
+        self.extra, self.header_bytes, self.silent = extra, header_bytes, silent
+        self.drop_second, self.challenge_first, self.withhold = (
+            drop_second,
+            challenge_first,
+            withhold,
+        )
+        self.gets: list[str] = []  # the Range of each GET answered
+        self.authorized: list[bool] = []  # whether each GET had credentials
+        self.connections = 0  # connections that carried a GET
+        self._server: asyncio.Server | None = None
+        self._handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._handlers.values():
+            writer.close()
+        async with asyncio.timeout(UP_TIMEOUT_S):
+            await asyncio.gather(*self._handlers)
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers[task] = writer
+        gets = 0
+        head: str | None = None  # a request read ahead
+        try:
+            while True:
+                if head is None:
+                    async with asyncio.timeout(UP_TIMEOUT_S):
+                        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                request, head = head, None
+                lines = request.split("\r\n")
+                authorized = any(line.startswith("Authorization: ") for line in lines)
+                challenge = not authorized
+                if lines[0].startswith("HEAD ") and not challenge:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                if lines[0].startswith("GET "):
+                    self.authorized.append(authorized)
+                    challenge |= self.challenge_first and len(self.authorized) == 1
+                if challenge:
+                    writer.write(
+                        b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
+                        b'WWW-Authenticate: P2PTrain nonce="fresh"\r\n\r\n'
+                    )
+                    continue
+                (wanted,) = [line[7:] for line in lines if line.startswith("Range: ")]
+                gets += 1
+                self.connections += gets == 1
+                if self.drop_second and gets == 2:
+                    return
+                self.gets.append(wanted)
+                if self.silent:
+                    continue
+                first, last = map(int, wanted.removeprefix("bytes=").split("-"))
+                body = self.data[first : last + 1]
+                size = self.announced_size or len(self.data)
+                answer = (
+                    f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n"
+                    f"Content-Range: bytes {first}-{last}/{size}\r\n"
+                    f"X-Padding: {'p' * self.header_bytes}\r\n\r\n".encode()
+                )
+                if self.truncate_at is not None and len(self.gets) == 1:
+                    writer.write(answer + body[: self.truncate_at])
+                    await writer.drain()
+                    return
+                if len(self.gets) <= self.withhold:
+                    writer.write(answer + body[:-1])
+                    async with asyncio.timeout(UP_TIMEOUT_S):
+                        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                    body = body[-1:]
+                    answer = b""
+                writer.write(answer + body + self.extra)  # one write: small ones arrive whole
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_a_provider_announcing_a_blob_of_another_size_is_dropped_at_once(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 16 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 5)
+    (honest,) = spawn_providers({"seed": "honest", "blob": str(path)})
+    liar = FakeProvider(data, announced_size=size + 1)
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        async with liar as address:
+            result = await fetcher.fetch(blob, [address, honest.address], size=size)
+            return address, result
+
+    address, result = with_fetcher(
+        tmp_path / "fetcher", scenario, chunk_bytes=4 * MIB, streams_per_provider=1
+    )
+    assert len(liar.gets) == 1  # a bad answer drops the provider: it is not asked again
+    assert result.failed_providers == (address,)
+    assert result.bytes_by_provider == {address: 0, honest.address: size}
+    assert stored(tmp_path / "fetcher", blob) == data
+
+
+def test_a_truncated_body_fails_over_from_the_byte_reached(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 16 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 6)
+    (honest,) = spawn_providers({"seed": "honest", "blob": str(path)})
+    flaky = FakeProvider(data, truncate_at=MIB + 12345)
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        async with flaky as address:
+            result = await fetcher.fetch(blob, [address, honest.address], size=size)
+            return address, result, fetcher.statistics()
+
+    address, result, statistics = with_fetcher(
+        tmp_path / "fetcher", scenario, chunk_bytes=4 * MIB, streams_per_provider=1
+    )
+    assert result.failed_providers == (address,)
+    assert statistics.failovers == 1
+    assert result.bytes_by_provider[address] >= MIB + 12345  # what it sent before it broke
+    assert sum(result.bytes_by_provider.values()) == size  # and nothing of it twice
+    assert stored(tmp_path / "fetcher", blob) == data
+
+
+def read_range(
+    provider: FakeProvider,
+    ranges: list[tuple[int, int]],
+    *,
+    timeout_s: float = UP_TIMEOUT_S,
+    ahead: bool = False,
+) -> tuple[bytes, list[BaseException | None], RangeReaderStatistics]:
+    """Read ``ranges`` of the fake's blob into a file with one RangeReader (asking for each
+    next range ahead when told); return the file, each read's error (or None) and the
+    reader's statistics."""
+    size = len(provider.data)
+    blob = hashlib.sha256(provider.data).hexdigest()
+
+    async def run(fd: int) -> tuple[list[BaseException | None], RangeReaderStatistics]:
+        client = PeerClient(ClientCredentials(network(), identity("reader"), secret=None))
+        errors: list[BaseException | None] = []
+        try:
+            async with provider as address:
+                requests = [RangeRequest(address, blob, start, end, size) for start, end in ranges]
+                following = iter(requests[1:])
+                reader = RangeReader(client, address, timeout_s=timeout_s)
+                async with reader:
+                    for request in requests:
+                        try:
+                            await reader.read(
+                                request,
+                                fd,
+                                lambda _: None,
+                                (lambda: next(following, None)) if ahead else None,
+                            )
+                            errors.append(None)
+                        except TransportError as exc:
+                            errors.append(exc)
+                return errors, reader.statistics()
+        finally:
+            await client.close()
+
+    fd, name = tempfile.mkstemp()
+    try:
+        os.ftruncate(fd, size)
+        errors, statistics = asyncio.run(run(fd))
+        return os.pread(fd, size, 0), errors, statistics
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def test_the_range_reader_keeps_its_connection_and_reconnects_when_the_server_closed_it() -> None:
+    data = random.Random(SEED).randbytes(3 * MIB)
+    ranges = [(0, MIB), (MIB, 2 * MIB), (2 * MIB, 3 * MIB)]
+    steady = FakeProvider(data)
+    received, errors, statistics = read_range(steady, ranges)
+    assert (received, errors) == (data, [None] * 3)
+    assert (statistics.connections, statistics.requests, statistics.bytes) == (1, 3, 3 * MIB)
+    assert steady.connections == 1
+    # A second request on a connection meets a close: it is asked again on a new one.
+    dropping = FakeProvider(data, drop_second=True)
+    received, errors, statistics = read_range(dropping, ranges)
+    assert (received, errors) == (data, [None] * 3)
+    assert (statistics.connections, statistics.requests) == (3, 5)
+    assert dropping.gets == ["bytes=0-1048575", "bytes=1048576-2097151", "bytes=2097152-3145727"]
+
+
+def test_the_range_reader_drops_connections_that_overrun_and_gives_up_on_silence() -> None:
+    data = random.Random(SEED).randbytes(MIB)
+    # Bytes past the range asked for: the range is kept, the connection is not.
+    received, errors, statistics = read_range(
+        FakeProvider(data, extra=b"surplus"), [(0, 1000), (1000, 2000)]
+    )
+    assert (received[:2000], errors) == (data[:2000], [None, None])
+    assert statistics.connections == 2
+    _, errors, _ = read_range(FakeProvider(data, header_bytes=16 << 10), [(0, 1000)])
+    assert isinstance(errors[0], BadAnswer) and "head over 16384 bytes" in str(errors[0])
+    received, errors, _ = read_range(FakeProvider(data, silent=True), [(0, 1000)], timeout_s=0.3)
+    assert isinstance(errors[0], TransportError) and "sent nothing for 0.3s" in str(errors[0])
+    assert received == bytes(MIB)
+
+
+def test_the_range_reader_asks_ahead_on_the_same_connection() -> None:
+    data = random.Random(SEED).randbytes(3 * MIB)
+    ranges = [(0, MIB), (MIB, 2 * MIB), (2 * MIB, 3 * MIB)]
+    # The fake finishes an answer only once the next request is in.
+    received, errors, statistics = read_range(FakeProvider(data, withhold=2), ranges, ahead=True)
+    assert (received, errors) == (data, [None] * 3)
+    assert (statistics.connections, statistics.requests, statistics.bytes) == (1, 3, 3 * MIB)
+    # Without asking ahead, the first answer never ends.
+    _, errors, _ = read_range(FakeProvider(data, withhold=2), ranges[:1], timeout_s=0.3)
+    assert isinstance(errors[0], TransportError) and "sent nothing for 0.3s" in str(errors[0])
+
+
+def test_the_range_reader_learns_a_new_nonce_and_asks_again() -> None:
+    data = random.Random(SEED).randbytes(MIB)
+    fake = FakeProvider(data, challenge_first=True)
+    received, errors, statistics = read_range(fake, [(0, MIB)])
+    assert (received, errors) == (data, [None])
+    assert fake.authorized == [True, True]  # the first with a nonce the fake calls stale
+    assert fake.gets == [f"bytes=0-{MIB - 1}"]  # the second answered
+    assert statistics.requests == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -13,7 +14,9 @@ import logging
 import mmap
 import os
 import queue
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
@@ -217,3 +220,30 @@ def hash_range(fd: int, start: int, end: int, hasher: hashlib._Hash) -> None:
             raise LocalError(f"file ended at byte {position} while hashing up to {end}")
         hasher.update(view[:count])
         position += count
+
+
+def start_writeback(fd: int, start: int, end: int) -> None:
+    """Start writing bytes ``[start, end)`` of ``fd`` to disk, and return without waiting for
+    the disk (``sync_file_range``; where there is none, ``fdatasync``, which waits): a later
+    fsync then has little left to write."""
+    if end <= start:
+        return
+    if _SYNC_FILE_RANGE is None or _SYNC_FILE_RANGE(fd, start, end - start, _START_WRITE) != 0:
+        os.fdatasync(fd)
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+#: SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages; wait for nothing else.
+_START_WRITE = 2
