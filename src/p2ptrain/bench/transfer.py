@@ -70,7 +70,7 @@ def _network() -> NetworkManifest:
 def run_transfer_bench(
     *,
     mib: int = 256,
-    repeats: int = 3,
+    repeats: int = 5,
     gossip_nodes: int = 16,
     gossip_messages: int = 200,
     gossip_processes: int = 4,

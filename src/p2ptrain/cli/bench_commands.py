@@ -67,7 +67,7 @@ def add_parsers(commands: Any) -> None:
         "--out-dir.",
     )
     transfer.add_argument("--mib", type=int, default=256, help="blob size in MiB (default 256)")
-    transfer.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
+    transfer.add_argument("--repeats", type=int, default=5, help="best of N (default 5)")
     transfer.add_argument("--gossip-nodes", type=int, default=16, help="nodes (default 16)")
     transfer.add_argument(
         "--gossip-messages", type=int, default=200, help="messages published (default 200)"
