@@ -24,7 +24,8 @@ from tests.support.netns import NetnsLab, netns_lab_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
-CHILD = Path(__file__).parents[1] / "support" / "mdns_child.py"
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = "tests.support.mdns_child"
 WAIT_S = 30.0
 NET, OTHER_NET = h("lan network"), h("another lan network")
 PEERS = {label: h(f"lan peer {label}") for label in ("alice", "bob", "carol", "dave")}
@@ -42,8 +43,8 @@ class Children:
         self._lines: queue.Queue[tuple[str, Event | None]] = queue.Queue()
 
     def start(self, label: str, ns: str, network_id: str, *options: str) -> None:
-        argv = [sys.executable, str(CHILD), network_id, PEERS[label], *options]
-        process = self.lab.popen(ns, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        argv = [sys.executable, "-m", CHILD, network_id, PEERS[label], *options]
+        process = self.lab.popen(ns, argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.processes[label] = process
         self.events[label] = []
         threading.Thread(target=self._forward, args=(label, process), daemon=True).start()

@@ -38,7 +38,8 @@ from tests.support.blob_provider_child import identity, network
 
 pytestmark = pytest.mark.integration
 
-CHILD = Path(__file__).parents[1] / "support" / "blob_provider_child.py"
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = "tests.support.blob_provider_child"
 SEED = 20_250_601
 UP_TIMEOUT_S = 30.0
 MIB = 1 << 20
@@ -69,7 +70,8 @@ def spawn_providers(tmp_path: Path) -> Iterator[Spawn]:
             argument = json.dumps({"data_dir": str(tmp_path / f"provider-{label}"), **spec})
             with open(tmp_path / f"provider-{label}.log", "wb") as log:
                 process = subprocess.Popen(
-                    [sys.executable, str(CHILD), argument],
+                    [sys.executable, "-m", CHILD, argument],
+                    cwd=ROOT,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,

@@ -28,6 +28,7 @@ from p2ptrain.errors import TransportError
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.node import NetNode
 from p2ptrain.store.blobs import BlobStore
+from tests.support.child_io import emit, wait_for_stdin_eof
 
 
 def identity(label: str) -> Identity:
@@ -48,14 +49,6 @@ def corrupt(path: Path, every: int) -> None:
             (byte,) = file.read(1)
             file.seek(offset)
             file.write(bytes([byte ^ 0xFF]))
-
-
-async def wait_for_stdin_eof() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while await reader.readline():
-        pass
 
 
 async def wait_until_reachable(node: NetNode, address: str, blob: str) -> None:
@@ -93,9 +86,7 @@ async def main(spec: dict[str, Any]) -> None:
                     raise SystemExit("a relayed provider needs a blob to check its relay with")
                 address = f"{relay}/v1/relay/{node.peer_id}"
                 await wait_until_reachable(node, address, blob)
-            event = {"event": "up", "address": address, "peer_id": node.peer_id}
-            sys.stdout.write(json.dumps({**event, "blob": blob}) + "\n")
-            sys.stdout.flush()
+            emit("up", address=address, peer_id=node.peer_id, blob=blob)
             await wait_for_stdin_eof()
 
 

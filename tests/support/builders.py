@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
+from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo, WorkloadSpec
-from p2ptrain.core.records import Head
+from p2ptrain.core.records import Attestation, Head, PeerRecord
+from p2ptrain.protocol.chain import HeadChain, genesis_head
 
 
 def h(label: str) -> str:
@@ -46,4 +50,63 @@ def head(experiment_id: str, height: int = 1, label: str = "a") -> Head:
         weights_blob=h(f"weights-{label}"),
         optimizer_blob=h(f"opt-{label}"),
         accepted=tuple(sorted([h(f"u1-{label}"), h(f"u2-{label}")])),
+    )
+
+
+def child_head(parent: Head, label: str = "a", height: int | None = None) -> Head:
+    """A head extending ``parent`` (at ``height``, one above it unless given)."""
+    height = parent.height + 1 if height is None else height
+    return Head(
+        experiment_id=parent.experiment_id,
+        height=height,
+        parent=parent.id,
+        weights_blob=h(f"weights-{height}-{label}"),
+        optimizer_blob=None,
+        accepted=(h(f"update-{height}-{label}"),),
+    )
+
+
+def certify(head: Head, signers: Sequence[Identity]) -> QuorumCertificate:
+    """A quorum certificate for ``head`` signed by ``signers``."""
+    return QuorumCertificate.assemble(
+        seal(
+            v,
+            Attestation(
+                experiment_id=head.experiment_id,
+                height=head.height,
+                head_id=head.id,
+                validator=v.public_key,
+            ),
+        )
+        for v in signers
+    )
+
+
+def certified_chain(
+    manifest: ExperimentManifest, signers: Sequence[Identity], length: int
+) -> HeadChain:
+    """A chain of ``length`` certified heads above the manifest's genesis."""
+    chain = HeadChain(manifest)
+    head = genesis_head(manifest)
+    for _ in range(length):
+        head = child_head(head)
+        verdict = chain.extend(head, certify(head, signers))
+        assert verdict.ok, verdict.reason
+    return chain
+
+
+def peer_record(
+    who: Identity, seq: int, *, network_id: str, address: str = "http://127.0.0.1:7000"
+) -> Signed[PeerRecord]:
+    """``who``'s signed record number ``seq``: a public trainer at ``address``."""
+    return seal(
+        who,
+        PeerRecord(
+            network_id=network_id,
+            public_key=who.public_key,
+            seq=seq,
+            roles=("trainer",),
+            reachability="public",
+            addresses=(address,),
+        ),
     )

@@ -15,28 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import signal
 import socket
-import sys
-from typing import Any
 
 from p2ptrain.net.mdns import LanDiscovery, LanPeer
+from tests.support.child_io import emit, wait_for_stdin_eof
 
 STATISTICS_POLL_S = 0.05
-
-
-def report(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
-
-
-async def wait_for_stdin_eof() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while await reader.readline():
-        pass
 
 
 async def report_statistics(discovery: LanDiscovery) -> None:
@@ -44,7 +29,7 @@ async def report_statistics(discovery: LanDiscovery) -> None:
     while True:
         statistics = discovery.statistics()
         if statistics != last:
-            report("statistics", **dataclasses.asdict(statistics))
+            emit("statistics", **dataclasses.asdict(statistics))
             last = statistics
         await asyncio.sleep(STATISTICS_POLL_S)
 
@@ -54,7 +39,7 @@ async def main(args: argparse.Namespace) -> None:
     port = 0 if args.browse_only else listener.getsockname()[1]
 
     def found(peer: LanPeer) -> None:
-        report("found", **dataclasses.asdict(peer))
+        emit("found", **dataclasses.asdict(peer))
 
     discovery = LanDiscovery(
         network_id=args.network_id,
@@ -67,7 +52,7 @@ async def main(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await discovery.start()
-    report("ready", port=port)
+    emit("ready", port=port)
     async with asyncio.TaskGroup() as group:
         stdin_closed = group.create_task(wait_for_stdin_eof())
         stop_requested = group.create_task(stop.wait())
@@ -77,7 +62,7 @@ async def main(args: argparse.Namespace) -> None:
             task.cancel()
     await discovery.stop()
     listener.close()
-    report("stopped", **dataclasses.asdict(discovery.statistics()))
+    emit("stopped", **dataclasses.asdict(discovery.statistics()))
 
 
 if __name__ == "__main__":

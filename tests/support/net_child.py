@@ -28,6 +28,7 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.gossip import Delivered
 from p2ptrain.net.node import NetNode
 from p2ptrain.store.blobs import BlobStore
+from tests.support.child_io import emit, stdin_lines
 
 TOPIC_EXPERIMENT = hashlib.sha256(b"net-child-experiment").hexdigest()
 TOPIC = f"exp/{TOPIC_EXPERIMENT}"
@@ -150,25 +151,16 @@ class Child:
         raise ValueError(f"unknown command {name!r}")
 
 
-def emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
-
-
 async def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
     child = Child(json.loads(sys.argv[1]))
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async with child.node:
-        emit({"event": "up", "address": child.node.address, "peer_id": child.node.peer_id})
-        while line := await reader.readline():
-            cmd = json.loads(line)
+        emit("up", address=child.node.address, peer_id=child.node.peer_id)
+        async for line in stdin_lines():
             try:
-                emit({"event": "ok", **await child.command(cmd)})
+                emit("ok", **await child.command(json.loads(line)))
             except Exception as exc:
-                emit({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
+                emit("error", error=f"{type(exc).__name__}: {exc}")
     os._exit(0)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from p2ptrain.core.certificate import QuorumCertificate
-from p2ptrain.core.envelope import seal
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.records import Attestation, Head
+from p2ptrain.core.records import Head
 from p2ptrain.protocol.chain import HeadChain, genesis_head, verify_link
-from tests.support.builders import experiment, h, identity
+from tests.support.builders import certify as certify_with
+from tests.support.builders import child_head, experiment, h, identity
 
 VALIDATORS = [identity(i) for i in range(5)]
 MANIFEST = experiment(VALIDATORS, quorum=3)
@@ -17,30 +17,11 @@ GENESIS = genesis_head(MANIFEST)
 
 
 def child(parent: Head, label: str = "a", height: int | None = None) -> Head:
-    height = parent.height + 1 if height is None else height
-    return Head(
-        experiment_id=MANIFEST.id,
-        height=height,
-        parent=parent.id,
-        weights_blob=h(f"weights-{height}-{label}"),
-        optimizer_blob=None,
-        accepted=(h(f"update-{height}-{label}"),),
-    )
+    return child_head(parent, label, height)
 
 
 def certify(head: Head, signers: Sequence[Identity] = VALIDATORS[:3]) -> QuorumCertificate:
-    return QuorumCertificate.assemble(
-        seal(
-            v,
-            Attestation(
-                experiment_id=head.experiment_id,
-                height=head.height,
-                head_id=head.id,
-                validator=v.public_key,
-            ),
-        )
-        for v in signers
-    )
+    return certify_with(head, signers)
 
 
 def three_links() -> list[tuple[Head, QuorumCertificate]]:

@@ -11,17 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import decode
-from p2ptrain.core.envelope import Signed, seal, verify_envelope
+from p2ptrain.core.envelope import Signed, verify_envelope
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.records import Attestation, Head, PeerRecord
+from p2ptrain.core.records import PeerRecord
 from p2ptrain.net.client import HeadLinks, PeerRecords
 from p2ptrain.net.content import MAX_LINKS_PER_ANSWER, LocalContent, parse_range
 from p2ptrain.net.peers import PeerBook
 from p2ptrain.protocol.chain import HeadChain, genesis_head
 from p2ptrain.store.blobs import BlobStore
-from tests.support.builders import experiment, h, identity
+from tests.support.builders import certified_chain, experiment, h, identity
+from tests.support.builders import peer_record as signed_record
 
 SEED = 5150
 NETWORK_ID = h("network")
@@ -126,54 +126,11 @@ def test_any_range_header_gives_a_span_inside_the_blob_or_value_error(
 
 
 def peer_record(who: Identity, seq: int = 1) -> Signed[PeerRecord]:
-    return seal(
-        who,
-        PeerRecord(
-            network_id=NETWORK_ID,
-            public_key=who.public_key,
-            seq=seq,
-            roles=("trainer",),
-            reachability="public",
-            addresses=(f"http://127.0.0.1:{7000 + seq}",),
-        ),
-    )
-
-
-def child(parent: Head) -> Head:
-    height = parent.height + 1
-    return Head(
-        experiment_id=MANIFEST.id,
-        height=height,
-        parent=parent.id,
-        weights_blob=h(f"weights-{height}"),
-        optimizer_blob=None,
-        accepted=(h(f"update-{height}"),),
-    )
-
-
-def certify(head: Head) -> QuorumCertificate:
-    return QuorumCertificate.assemble(
-        seal(
-            v,
-            Attestation(
-                experiment_id=head.experiment_id,
-                height=head.height,
-                head_id=head.id,
-                validator=v.public_key,
-            ),
-        )
-        for v in VALIDATORS[:3]
-    )
+    return signed_record(who, seq, network_id=NETWORK_ID, address=f"http://127.0.0.1:{7000 + seq}")
 
 
 def chain_of(length: int) -> HeadChain:
-    chain = HeadChain(MANIFEST)
-    head = GENESIS
-    for _ in range(length):
-        head = child(head)
-        verdict = chain.extend(head, certify(head))
-        assert verdict.ok, verdict.reason
-    return chain
+    return certified_chain(MANIFEST, VALIDATORS[:3], length)
 
 
 SELF_RECORD = peer_record(ME, seq=3)

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.core.envelope import Signed, seal
+from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import PeerRecord
 from p2ptrain.errors import ProtocolViolation
 from p2ptrain.net import peers
 from p2ptrain.net.peers import PeerBook, PeerBookStatistics
-from tests.support.builders import h, identity
+from tests.support.builders import h, identity, peer_record
 
 NETWORK_ID = h("network")
 OTHER_NETWORK_ID = h("other network")
@@ -27,18 +27,7 @@ BOB = identity(21)
 @functools.cache
 def record(n: int, seq: int, network_id: str = NETWORK_ID, port: int = 7000) -> Signed[PeerRecord]:
     """Peer ``identity(n)``'s record number ``seq``."""
-    who = identity(n)
-    return seal(
-        who,
-        PeerRecord(
-            network_id=network_id,
-            public_key=who.public_key,
-            seq=seq,
-            roles=("trainer",),
-            reachability="public",
-            addresses=(f"http://10.0.0.{n}:{port}",),
-        ),
-    )
+    return peer_record(identity(n), seq, network_id=network_id, address=f"http://10.0.0.{n}:{port}")
 
 
 def book(strikes_to_ban: int = 3, ban_s: float = 300.0) -> PeerBook:

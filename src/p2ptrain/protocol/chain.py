@@ -104,28 +104,16 @@ class HeadChain:
             if held.head_id == head_id:
                 return Verdict(False, f"head at height {head.height} already adopted")
             parent = self.at(head.height - 1)
-            if parent is not None and held.certificate is not None:
-                link = verify_link(
-                    self.manifest,
-                    (parent.head_id, parent.head.height),
-                    head,
-                    certificate,
-                    experiment_id=self.experiment_id,
-                )
-                if link:
-                    self.conflicts.append((held, CertifiedHead(head, head_id, certificate)))
-                    return Verdict(
-                        False, f"SAFETY: a second certified head at height {head.height}"
-                    )
+            if (
+                parent is not None
+                and held.certificate is not None
+                and self._verify((parent.head_id, parent.head.height), head, certificate)
+            ):
+                self.conflicts.append((held, CertifiedHead(head, head_id, certificate)))
+                return Verdict(False, f"SAFETY: a second certified head at height {head.height}")
             return Verdict(False, f"height {head.height} is already certified")
         tip = self.tip
-        verdict = verify_link(
-            self.manifest,
-            (tip.head_id, tip.head.height),
-            head,
-            certificate,
-            experiment_id=self.experiment_id,
-        )
+        verdict = self._verify((tip.head_id, tip.head.height), head, certificate)
         if verdict:
             self._links.append(CertifiedHead(head, head.id, certificate))
         return verdict
@@ -145,13 +133,7 @@ class HeadChain:
         for head, certificate in links:
             if head.height <= parent_height and not checked:
                 continue  # heads we hold already
-            verdict = verify_link(
-                self.manifest,
-                (parent_id, parent_height),
-                head,
-                certificate,
-                experiment_id=self.experiment_id,
-            )
+            verdict = self._verify((parent_id, parent_height), head, certificate)
             if not verdict:
                 return Verdict(
                     False, f"catch-up rejected at height {head.height}: {verdict.reason}"
@@ -164,3 +146,10 @@ class HeadChain:
             return Verdict(False, "catch-up rejected: the final weights do not match the head")
         self._links.extend(checked)
         return Verdict(True, f"caught up {len(checked)} heads to height {parent_height}")
+
+    def _verify(
+        self, parent: tuple[str, int], head: Head, certificate: QuorumCertificate
+    ) -> Verdict:
+        return verify_link(
+            self.manifest, parent, head, certificate, experiment_id=self.experiment_id
+        )
