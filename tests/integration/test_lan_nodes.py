@@ -24,7 +24,7 @@ def test_two_nodes_find_each_other_by_mdns(
             prefix=["ip", "netns", "exec", ns],
             seed=f"lan-{ns[-5:]}",
             host="0.0.0.0",
-            config={"port": 7700, "mdns": True},
+            config={"mdns": True},
         )
         for ns in (left, right)
     ]

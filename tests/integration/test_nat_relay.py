@@ -71,14 +71,14 @@ def test_nat_in_network_namespaces(
     seed_b, _ = netns_lab.link(seed_ns, b_ns, 2)
     for ns, gateway in ((a_ns, seed_a), (b_ns, seed_b)):
         subprocess.run(["ip", "-n", ns, "route", "add", "default", "via", gateway], check=True)
-    port = 7700  # a fresh namespace has every port free
-    seed_urls = [f"http://{seed_a}:{port}", f"http://{seed_b}:{port}"]
     seed = spawn_node(
         prefix=["ip", "netns", "exec", seed_ns],
         seed="seed",
         host="0.0.0.0",
-        config={"port": port, "advertise": seed_urls},
+        config={"advertise": [f"http://{seed_a}", f"http://{seed_b}"]},  # + the port it got
     )
+    port = int((seed.address or "").rsplit(":", 1)[1])
+    seed_urls = [f"http://{seed_a}:{port}", f"http://{seed_b}:{port}"]
     validator = spawn_node(
         prefix=["ip", "netns", "exec", a_ns],
         seed="validator",
@@ -125,6 +125,8 @@ def test_nat_in_network_namespaces(
         return trainer.ask(cmd="address_of", peer=validator.peer_id)["address"] is not None
 
     wait_until(learned, 30, "the trainer to learn the validator's record")
+    # The seed advertises its namespace addresses with the port the kernel gave it.
+    assert trainer.ask(cmd="address_of", peer=seed.peer_id)["address"] == seed_urls[0]
     mine = validator.ask(cmd="put_blob", size=3_000_000, seed=2)["blob"]
     fetched = trainer.ask(cmd="fetch", peer=validator.peer_id, blob=mine)
     assert fetched["verified"] and fetched["via"].startswith(seed_urls[0] + "/v1/relay/")

@@ -22,7 +22,8 @@ class NetConfig:
     host: str | None = "127.0.0.1"
     #: 0 lets the kernel pick a free port (tests, local networks).
     port: int = 0
-    #: Addresses other peers should dial, when they differ from ``http://host:port``.
+    #: Addresses other peers should dial, when they differ from ``http://host:port``; one
+    #: that names no port gets the port we listen on (useful with ``port=0``).
     advertise: tuple[str, ...] = ()
     #: Seeds to dial at start (``http://host:port``).
     bootstrap: tuple[str, ...] = ()

@@ -104,7 +104,7 @@ class PeerConnection:
                 self._room.set()
             try:
                 await self.ws.send_bytes(frame)
-            except (ConnectionError, aiohttp.ClientError, RuntimeError):
+            except _SEND_FAILURES:
                 self._closed.set()
                 break
             self.frames_out += 1

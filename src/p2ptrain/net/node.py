@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
@@ -127,6 +128,7 @@ class NetNode:
         for topic in self.config.topics:
             self.gossip.subscribe(topic, lambda _: None)
         self.address: str | None = None
+        self.port = 0  # the port we listen on, once started
         self._server: NodeServer | None = None
         self._runner: web.AppRunner | None = None
         self._tls: SelfSignedCertificate | None = None
@@ -214,19 +216,21 @@ class NetNode:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, self.config.port, ssl_context=context)
         await site.start()
-        port = self._runner.addresses[0][1]
+        self.port = int(self._runner.addresses[0][1])
         scheme = "https" if context else "http"
-        pin = f"#sha256={self._tls.fingerprint}" if self._tls else ""
-        self.address = f"{scheme}://{host}:{port}{pin}"
+        self.address = f"{scheme}://{host}:{self.port}{self._pin()}"
+
+    def _pin(self) -> str:
+        """The address fragment that pins our TLS certificate ("" without TLS)."""
+        return f"#sha256={self._tls.fingerprint}" if self._tls else ""
 
     async def _start_lan(self) -> None:
         from p2ptrain.net.mdns import LanDiscovery
 
-        port = int(self.address.rsplit(":", 1)[1].split("#")[0]) if self.address else 0
         self._lan = LanDiscovery(
             network_id=self.network_id,
             peer_id=self.peer_id,
-            port=port,
+            port=self.port,
             tls=self._tls is not None,
             on_found=lambda peer: self.spawn(
                 self.connect(peer.address, expect=peer.peer_id), "lan-dial"
@@ -237,7 +241,11 @@ class NetNode:
     # -- our record -----------------------------------------------------------------------
 
     def _sign_record(self) -> Signed[PeerRecord]:
-        addresses = self.config.advertise or ((self.address,) if self.address else ())
+        advertised = tuple(
+            _with_port(a, self.port) + ("" if "#" in a else self._pin())
+            for a in self.config.advertise
+        )
+        addresses = advertised or ((self.address,) if self.address else ())
         if addresses:
             reachability, relay = "public", None
         elif self.relay_address is not None:
@@ -515,6 +523,14 @@ class NetNode:
             prefix = type(group).__name__.removesuffix("Statistics").lower()
             for name in group.__dataclass_fields__:
                 yield f"{prefix}_{name}", getattr(group, name)
+
+
+def _with_port(address: str, port: int) -> str:
+    """``address`` with our listening port when it names none (``http://10.0.0.5``)."""
+    parts = urlsplit(address)
+    if parts.port is not None or not port:
+        return address
+    return urlunsplit(parts._replace(netloc=f"{parts.netloc}:{port}"))
 
 
 async def _logged(coroutine: Any, name: str) -> None:

@@ -34,7 +34,7 @@ from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
 from p2ptrain.net.client import BLOB_ID_HEADER
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
-from p2ptrain.net.content import Answer, LocalContent
+from p2ptrain.net.content import LocalContent
 from p2ptrain.net.limits import TokenBucket
 from p2ptrain.net.peers import PeerBook
 from p2ptrain.net.relay import RelayHub
@@ -194,7 +194,9 @@ class NodeServer:
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def _record(self, request: web.Request) -> web.StreamResponse:
-        return _send_answer(self.content.answer(request.method, request.path_qs))
+        # Blobs have their own route (sendfile); records are small bytes answers.
+        answer = self.content.answer(request.method, request.path_qs)
+        return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
     async def _upload(self, request: web.Request) -> web.StreamResponse:
         admitted = _ADMITTED.get()
@@ -272,12 +274,6 @@ class NodeServer:
             return _reply(403, "metrics are served to loopback only")
         lines = [f"p2ptrain_{name} {value}" for name, value in self._metrics()]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-
-def _send_answer(answer: Answer) -> web.StreamResponse:
-    if answer.file is not None:
-        return web.FileResponse(answer.file, headers=answer.headers)
-    return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
 
 def _is_loopback(remote: str | None) -> bool:
