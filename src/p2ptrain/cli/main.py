@@ -9,7 +9,14 @@ import sys
 from collections.abc import Sequence
 
 from p2ptrain import __version__
-from p2ptrain.cli import bench_commands, experiment_commands, identity_commands, sim_commands
+from p2ptrain.cli import (
+    bench_commands,
+    demo_command,
+    experiment_commands,
+    identity_commands,
+    node_commands,
+    sim_commands,
+)
 from p2ptrain.errors import LocalError, P2PTrainError
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
@@ -30,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     data_dir = default_data_dir()
+    demo_command.add_parser(commands)
     identity_commands.add_parsers(commands, data_dir)
+    node_commands.add_parsers(commands, data_dir)
     experiment_commands.add_parsers(commands, data_dir)
     bench_commands.add_parsers(commands)
     sim_commands.add_parsers(commands)
@@ -42,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if args.verbose else getattr(args, "log_level", logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     handler = getattr(args, "handler", None)

@@ -15,7 +15,7 @@ from p2ptrain.core.encoding import encode, record_id
 from p2ptrain.core.envelope import Signed, signing_message
 from p2ptrain.core.identity import peer_id_of, verify_signature
 from p2ptrain.core.manifests import MAX_VALIDATORS, ExperimentManifest
-from p2ptrain.core.records import Attestation
+from p2ptrain.core.records import Attestation, Head
 from p2ptrain.errors import InvalidRecord, LocalError
 
 
@@ -110,3 +110,20 @@ class QuorumCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         return cls(
             experiment_id=experiment_id, height=height, head_id=head_id, signatures=signatures
         )
+
+
+class CertifiedLink(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A head with the certificate that makes it canonical: what gossip carries when a head
+    is certified, and what a node stores per height. Only the certificate is trusted, and
+    only after :meth:`QuorumCertificate.verify` and a check that it names this head."""
+
+    head: Head
+    certificate: QuorumCertificate
+
+    def check(self, manifest: ExperimentManifest, experiment_id: str) -> Verdict:
+        """Whether the certificate is valid and certifies exactly this head."""
+        if self.head.experiment_id != experiment_id:
+            return Verdict(False, "head is for another experiment")
+        if self.certificate.head_id != self.head.id or self.certificate.height != self.head.height:
+            return Verdict(False, "certificate does not name this head")
+        return self.certificate.verify(manifest)

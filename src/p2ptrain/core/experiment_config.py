@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -20,34 +21,45 @@ from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import InvalidRecord, LocalError
 
 
-def _validator_keys(raw: object) -> list[bytes]:
+def _public_keys(raw: object, field: str = "validators") -> list[bytes]:
     if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
-        raise LocalError("validators: must be a list of hex Ed25519 public keys (64 hex chars)")
+        raise LocalError(f"{field}: must be a list of hex Ed25519 public keys (64 hex chars)")
     keys: list[bytes] = []
     for i, text in enumerate(raw):
         try:
             key = bytes.fromhex(text)
         except ValueError:
-            raise LocalError(f"validators[{i}]: {text!r:.80} is not hex") from None
+            raise LocalError(f"{field}[{i}]: {text!r:.80} is not hex") from None
         if len(key) != 32:
-            raise LocalError(f"validators[{i}]: an Ed25519 public key is 32 bytes (64 hex chars)")
+            raise LocalError(f"{field}[{i}]: an Ed25519 public key is 32 bytes (64 hex chars)")
         keys.append(key)
     if len(set(keys)) != len(keys):
-        raise LocalError("validators: a validator key is listed twice")
+        raise LocalError(f"{field}: a key is listed twice")
     return sorted(keys)
 
 
-def experiment_from_toml(text: str, authority: bytes) -> ExperimentManifest:
-    """Parse and validate an experiment definition; ``authority`` is the signer's key."""
+def experiment_from_toml(
+    text: str, authority: bytes, fill: Mapping[str, Any] | None = None
+) -> ExperimentManifest:
+    """Parse and validate an experiment definition; ``authority`` is the signer's key.
+    ``fill`` supplies top-level keys (and keys of tables) the file leaves out, e.g. the
+    dataset, schema hash and genesis weights a registered workload computes."""
     try:
         raw: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise LocalError(f"the experiment file is not valid TOML: {exc}") from exc
+    for key, value in (fill or {}).items():
+        if key not in raw:
+            raw[key] = value
+        elif isinstance(value, dict) and isinstance(raw[key], dict):
+            raw[key] = {**value, **raw[key]}
     if "authority" in raw:
         raise LocalError(
             "authority: leave it out; the key that signs the manifest is the authority"
         )
-    raw["validators"] = _validator_keys(raw.get("validators"))
+    raw["validators"] = _public_keys(raw.get("validators"))
+    if "reducers" in raw:
+        raw["reducers"] = _public_keys(raw["reducers"], "reducers")
     raw["authority"] = authority
     try:
         return msgspec.convert(raw, ExperimentManifest)

@@ -248,6 +248,9 @@ class ExperimentManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     quorum: int
     lease_size: int
     genesis_weights: str
+    #: Reducers' public keys (sorted): they propose first, in rendezvous order, before the
+    #: validators fall back to proposing themselves. Every participant must agree on them.
+    reducers: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         rules.check_hex_id("network_id", self.network_id)
@@ -279,6 +282,10 @@ class ExperimentManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         for i, key in enumerate(self.validators):
             rules.check_public_key(f"validators[{i}]", key)
         rules.check_int("quorum", self.quorum, 1, len(self.validators))
+        rules.check_count("reducers", self.reducers, 0, MAX_VALIDATORS)
+        rules.check_sorted_unique("reducers", self.reducers)
+        for i, key in enumerate(self.reducers):
+            rules.check_public_key(f"reducers[{i}]", key)
 
     @property
     def id(self) -> str:

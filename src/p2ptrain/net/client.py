@@ -30,10 +30,12 @@ from p2ptrain.net.auth import NONCE_TTL_MS, SERVER_HEADER, ClientCredentials, no
 
 __all__ = [
     "BLOB_ID_HEADER",
+    "NETWORK_PATH",
     "HeadLinks",
     "PeerClient",
     "PeerRecords",
     "Refused",
+    "fetch_network_manifest",
     "pinned_ssl",
 ]
 
@@ -42,6 +44,9 @@ logger = logging.getLogger(__name__)
 BLOB_ID_HEADER = "P2PTrain-Blob-Id"
 MAX_PEER_RECORDS_BYTES = 8 << 20
 MAX_HEAD_LINKS_BYTES = 64 << 20
+MAX_RECORD_BYTES = 64 << 20
+#: The signed network manifest, served without credentials (a newcomer needs it to sign).
+NETWORK_PATH = "/v1/network"
 
 
 class PeerRecords(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,6 +106,8 @@ class PeerClient:
         )
         self._session: aiohttp.ClientSession | None = None
         self._nonces: dict[str, _Nonce] = {}
+        #: Blob bytes uploaded to peers (``push_blob``).
+        self.bytes_pushed = 0
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -206,6 +213,12 @@ class PeerClient:
             body = await _read_limited(response, MAX_HEAD_LINKS_BYTES)
         return decode(HeadLinks, body, max_bytes=MAX_HEAD_LINKS_BYTES).links
 
+    async def record(self, address: str, record_id: str) -> bytes:
+        """The signed envelope stored under ``record_id`` at ``address``: unverified, the
+        caller opens it and checks its id."""
+        async with self.request("GET", address, f"/v1/records/{record_id}") as response:
+            return await _read_limited(response, MAX_RECORD_BYTES)
+
     async def has_blob(self, address: str, blob_id: str) -> int | None:
         """The size of ``blob_id`` at ``address``, or None when it does not hold it."""
         async with self.request("HEAD", address, f"/v1/blobs/{blob_id}", ok=(200, 404)) as r:
@@ -227,6 +240,7 @@ class PeerClient:
                 ok=(200, 201),
             ):
                 pass
+        self.bytes_pushed += size
         return True
 
     async def open_socket(
@@ -258,6 +272,24 @@ class PeerClient:
             await ws.close()
             raise
         return ws, peer_id
+
+
+async def fetch_network_manifest(address: str, *, timeout_s: float = 30.0) -> bytes:
+    """The signed network manifest envelope ``address`` serves (no credentials needed).
+    Untrusted: the caller checks it against an experiment or network id it already knows."""
+    url = origin_of(address) + urlsplit(address).path.rstrip("/") + NETWORK_PATH
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(url, ssl=pinned_ssl(address)) as response,
+        ):
+            if response.status != 200:
+                reason = await _reason(response)
+                raise TransportError(f"GET {url}: {response.status} {reason}")
+            return await _read_limited(response, 1 << 20)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise TransportError(f"cannot reach {address}: {exc!r}") from exc
 
 
 async def _file_chunks(source: Any) -> AsyncIterator[bytes]:

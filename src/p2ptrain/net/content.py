@@ -22,7 +22,7 @@ from p2ptrain.net.peers import PeerBook
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.store.blobs import BlobStore
 
-__all__ = ["Answer", "LocalContent", "parse_range"]
+__all__ = ["Answer", "LocalContent", "parse_range", "text_answer"]
 
 MAX_LINKS_PER_ANSWER = 256
 _BLOB_PATH = re.compile(r"/v1/blobs/([0-9a-f]{64})")
@@ -41,7 +41,7 @@ class Answer:
     length: int = 0
 
 
-def _text(status: int, message: str) -> Answer:
+def text_answer(status: int, message: str) -> Answer:
     return Answer(status, {"Content-Type": "text/plain; charset=utf-8"}, message.encode())
 
 
@@ -77,6 +77,9 @@ class LocalContent:
         self.peers = peers
         self._self_record = self_record
         self.chains: dict[str, HeadChain] = {}
+        #: Further read-only answers the node above adds, by path prefix (records, status,
+        #: the network manifest): ``handler(target) -> Answer``.
+        self.handlers: dict[str, Callable[[str], Answer]] = {}
 
     def answer(self, method: str, target: str, range_header: str | None = None) -> Answer:
         parts = urlsplit(target)
@@ -90,18 +93,21 @@ class LocalContent:
         if match := _HEADS_PATH.fullmatch(path):
             chain = self.chains.get(match.group(1))
             if chain is None:
-                return _text(404, "this node does not follow that experiment")
+                return text_answer(404, "this node does not follow that experiment")
             try:
                 after = int(parse_qs(parts.query).get("after", ["0"])[0])
             except ValueError:
-                return _text(400, "after= must be an integer height")
+                return text_answer(400, "after= must be an integer height")
             links = chain.links_after(after)[:MAX_LINKS_PER_ANSWER]
             return Answer(200, {"Content-Type": "application/msgpack"}, encode(HeadLinks(links)))
-        return _text(404, f"no such resource {path[:80]!r}")
+        for prefix, handler in self.handlers.items():
+            if path.startswith(prefix):
+                return handler(target)
+        return text_answer(404, f"no such resource {path[:80]!r}")
 
     def _blob(self, blob_id: str, range_header: str | None) -> Answer:
         if not self.blobs.has(blob_id):
-            return _text(404, f"this node does not hold blob {blob_id}")
+            return text_answer(404, f"this node does not hold blob {blob_id}")
         path = self.blobs.path(blob_id)
         size = path.stat().st_size
         try:

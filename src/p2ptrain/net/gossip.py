@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import decode
 from p2ptrain.core.envelope import KINDS, Signed, open_envelope
 from p2ptrain.errors import ProtocolViolation
@@ -31,7 +31,7 @@ __all__ = ["Delivered", "GossipRouter", "GossipStatistics"]
 logger = logging.getLogger(__name__)
 
 CERTIFICATE_KIND = "certificate"
-_MAX_CERTIFICATE_BYTES = 64 << 10
+_MAX_CERTIFICATE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +41,9 @@ class Delivered:
     topic: str
     kind: str
     data: bytes
-    #: The verified envelope, or the (structurally valid) certificate.
-    record: Signed[Any] | QuorumCertificate
+    #: The verified envelope, or the (structurally valid) certified head: its certificate
+    #: is checked by the topic's validator, which knows the experiment.
+    record: Signed[Any] | CertifiedLink
     from_peer: str  # who forwarded it to us ("" when we published it)
 
 
@@ -63,6 +64,8 @@ class GossipStatistics:
     rejected: int
     unwanted: int
     seen: int
+    #: Gossip frames queued to peers (subscriptions, our messages, forwards), in bytes.
+    bytes_sent: int
 
 
 class GossipRouter:
@@ -84,6 +87,7 @@ class GossipRouter:
         self.connections: dict[str, PeerConnection] = {}
         self._published = self._delivered = self._forwarded = 0
         self._duplicates = self._rejected = self._unwanted = 0
+        self._bytes_sent = 0
 
     # -- topics ---------------------------------------------------------------------------
 
@@ -168,6 +172,7 @@ class GossipRouter:
         except SlowPeer as exc:
             self._drop(connection, str(exc))
             return False
+        self._bytes_sent += len(frame)
         return True
 
     def statistics(self) -> GossipStatistics:
@@ -181,12 +186,13 @@ class GossipRouter:
             rejected=self._rejected,
             unwanted=self._unwanted,
             seen=len(self._seen),
+            bytes_sent=self._bytes_sent,
         )
 
 
-def _verify(kind: str, data: bytes) -> Signed[Any] | QuorumCertificate:
+def _verify(kind: str, data: bytes) -> Signed[Any] | CertifiedLink:
     if kind == CERTIFICATE_KIND:
-        return decode(QuorumCertificate, data, max_bytes=_MAX_CERTIFICATE_BYTES)
+        return decode(CertifiedLink, data, max_bytes=_MAX_CERTIFICATE_BYTES)
     record_kind = KINDS.get(kind)
     if record_kind is None:
         raise ProtocolViolation(f"unknown record kind {kind[:32]!r}")

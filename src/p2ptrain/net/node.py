@@ -118,7 +118,7 @@ class NetNode:
             strikes_to_ban=self.config.strikes_to_ban,
             ban_s=self.config.ban_s,
         )
-        self.gossip = GossipRouter(self.config, strike=self._strike, drop=self._drop_slow)
+        self.gossip = GossipRouter(self.config, strike=self.strike, drop=self._drop_slow)
         self.relay = RelayHub(self.config.request_timeout_s)
         self._record: Signed[PeerRecord] | None = None
         self.content = LocalContent(blobs, self.peers, self.self_record)
@@ -360,7 +360,7 @@ class NetNode:
                 try:
                     await self._read(connection, group, relays)
                 except ProtocolViolation as exc:
-                    self._strike(connection.peer_id, str(exc))
+                    self.strike(connection.peer_id, str(exc))
                     await connection.close(str(exc), code=aiohttp.WSCloseCode.POLICY_VIOLATION)
                 except (ConnectionError, aiohttp.ClientError, TimeoutError) as exc:
                     logger.info("connection to %s lost: %r", connection.peer_id[:16], exc)
@@ -399,7 +399,9 @@ class NetNode:
             except (OSError, TimeoutError) as exc:
                 logger.info("relayed answer to %s failed: %r", connection.peer_id[:16], exc)
 
-    def _strike(self, peer_id: str, reason: str) -> None:
+    def strike(self, peer_id: str, reason: str) -> None:
+        """Count misbehaviour against ``peer_id`` (found here or by the node above: a bad
+        update, a wrong proposal); enough strikes ban it."""
         now = time.monotonic()
         if self.peers.strike(peer_id, reason, now):
             held = self.gossip.connections.get(peer_id)

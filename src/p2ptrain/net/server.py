@@ -31,7 +31,7 @@ from aiohttp import web
 
 from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
-from p2ptrain.net.client import BLOB_ID_HEADER
+from p2ptrain.net.client import BLOB_ID_HEADER, NETWORK_PATH
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
 from p2ptrain.net.content import LocalContent
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 _ADMITTED: contextvars.ContextVar[Admitted] = contextvars.ContextVar("admitted")
 _REFUSALS_PER_S = 20.0
 _REFUSAL_BURST = 100
+#: Answered without credentials: metrics (loopback only, see its handler) and the signed
+#: network manifest, which a newcomer needs before it can sign a request.
+_PUBLIC_PATHS = frozenset({"/metrics", NETWORK_PATH})
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,7 @@ class NodeServer:
         self._requests += 1
         remote = request.remote or "?"
         now = time.monotonic()
-        if request.path == "/metrics":
+        if request.path in _PUBLIC_PATHS:
             return await handler(request)
         refusals = self._refusals.get(remote)
         if refusals is not None and refusals.take(0, now) > 0:

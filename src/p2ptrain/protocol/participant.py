@@ -13,6 +13,10 @@ and after the deadline walks the proposer slots (:mod:`.proposers`):
 * when the slots run out without a certificate they start over: a validator that voted
   sends its attestation again (lost messages), one that did not judges again.
 
+A window closes early when it is full: once ``max_updates`` updates have arrived, or a
+proposal naming ``max_updates`` updates arrives, the deadline is now (nobody can be left out
+of a full window, so waiting would only waste the time of everyone who is done).
+
 Everyone counts attestations (:class:`AttestationBook`); q of them for one head make a
 certificate, sent to every peer. Decisions carry reasons; :meth:`statistics` sums them up.
 """
@@ -41,7 +45,7 @@ from p2ptrain.protocol.actions import (
 )
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.leases import LeaseBook
-from p2ptrain.protocol.proposers import proposer_order, slot_start
+from p2ptrain.protocol.proposers import proposer_order
 from p2ptrain.protocol.quorum import AttestationBook
 from p2ptrain.protocol.reduction import (
     BaseState,
@@ -70,6 +74,7 @@ class ParticipantStatistics:
 class _Window:
     base: BaseState
     opened_at: float
+    deadline_at: float
     order: tuple[bytes, ...]
     updates: dict[str, Submission] = field(default_factory=dict)
     arrival: list[str] = field(default_factory=list)  # update ids, first arrival first
@@ -117,7 +122,8 @@ class Participant(Follower):
         self._reductions.clear()
         self._by_head.clear()
         self.book.forget_through(base.head.height)
-        return _Window(base=base, opened_at=now, order=order)
+        deadline = now + self.manifest.window.deadline_s
+        return _Window(base=base, opened_at=now, deadline_at=deadline, order=order)
 
     def restart(self, now: float) -> None:
         """After a crash: the chain, weights and votes persisted; the open window's updates
@@ -143,17 +149,26 @@ class Participant(Follower):
         """The next time after ``now`` that :meth:`tick` has something to do: the deadline
         (slot 0 opens), then each following slot boundary."""
         slot = self._slot(now) + 1
-        when = slot_start(self.manifest, self._window.opened_at, slot)
+        when = self._slot_start(slot)
         if when <= now:  # ``now`` is a boundary that rounding placed in the slot before
-            when = slot_start(self.manifest, self._window.opened_at, slot + 1)
+            when = self._slot_start(slot + 1)
         return when
+
+    def _slot_start(self, index: int) -> float:
+        return self._window.deadline_at + index * self.manifest.window.proposal_s
 
     def _slot(self, now: float) -> int:
         """The slot open at ``now`` (-1 before the deadline); slots repeat past the end."""
-        spec = self.manifest.window
         # + 1e-9 s: a time computed as a slot boundary opens that slot despite rounding
-        elapsed = now - self._window.opened_at - spec.deadline_s + 1e-9
-        return -1 if elapsed < 0 else math.floor(elapsed / spec.proposal_s)
+        elapsed = now - self._window.deadline_at + 1e-9
+        return -1 if elapsed < 0 else math.floor(elapsed / self.manifest.window.proposal_s)
+
+    def _close_early(self, now: float) -> None:
+        """The window is full: its deadline is now."""
+        w = self._window
+        if now < w.deadline_at:
+            w.deadline_at = now
+            self.last_reason = f"window {w.base.window} full: closed early"
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -168,9 +183,12 @@ class Participant(Follower):
             return []  # stale or replayed: belongs in no cohort, nothing to count
         w.updates[update_id] = Submission(signed.record, update_id, blob)
         w.arrival.append(update_id)
-        if now < w.opened_at + self.manifest.window.deadline_s:
+        if now < w.deadline_at:
             w.before_deadline = len(w.arrival)
         actions: list[Action] = []
+        if now < w.deadline_at and len(w.arrival) >= self.manifest.window.max_updates:
+            self._close_early(now)
+            actions += self._advance(now)
         for proposer, missing in list(w.fetching.items()):
             if update_id in missing:
                 w.fetching[proposer] = missing - {update_id}
@@ -191,6 +209,8 @@ class Participant(Follower):
                 return [Reported(peer_id_of(proposal.reducer), "two proposals in one window")]
             return []
         w.proposals[proposal.reducer] = signed
+        if len(proposal.accepted) + len(proposal.rejected) >= self.manifest.window.max_updates:
+            self._close_early(now)
         return self._advance(now)
 
     def receive_attestation(self, now: float, signed: Signed[Attestation]) -> list[Action]:
@@ -213,6 +233,11 @@ class Participant(Follower):
                 actions.append(SendCertificate(head, certificate))
                 actions += self.receive_certificate(now, head, certificate, self.key)
         return actions
+
+    def reduction_of(self, head_id: str) -> Reduction | None:
+        """Our own reduction that produced ``head_id`` in the open window (its blobs are what
+        peers fetch from us once the head is certified)."""
+        return self._by_head.get(head_id)
 
     def tick(self, now: float) -> list[Action]:
         return self._advance(now)

@@ -1,0 +1,278 @@
+"""``p2ptrain demo``: a whole local network training a character-level GPT on Shakespeare.
+
+Separate OS processes on loopback: 1 seed, 1 reducer, 3 validators (any 2 certify) and 4
+trainers running DiLoCo with int8 updates and the default robust rule. When the seed has
+adopted the last window, every node is stopped cleanly, the canonical model is exported,
+and a baseline is trained in this process on the same samples the way synchronous data
+parallel training (DDP) would: one optimizer, batch = trainers x per-trainer batch, the same
+number of steps. The summary compares validation losses and the bytes each trainer sent with
+what DDP's all-reduce would have sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.errors import LocalError
+
+__all__ = ["add_parser", "run_demo"]
+
+
+def add_parser(commands: Any) -> None:
+    from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a whole local network training a real model (about 5 minutes)",
+        description="Start a seed, a reducer, 3 validators (quorum 2) and 4 trainers as "
+        "separate processes on loopback, train a character-level GPT on Shakespeare with "
+        "DiLoCo, then compare the certified model with a DDP-equivalent baseline.",
+    )
+    demo.add_argument(
+        "--windows",
+        type=int,
+        default=int(DEMO_DEFAULTS["windows"]),
+        help=f"windows to certify (default {int(DEMO_DEFAULTS['windows'])})",
+    )
+    demo.add_argument(
+        "--inner-steps",
+        type=int,
+        default=int(DEMO_DEFAULTS["inner_steps"]),
+        help=f"H, inner steps per window (default {int(DEMO_DEFAULTS['inner_steps'])})",
+    )
+    demo.add_argument("--trainers", type=int, default=4, help="trainer processes (default 4)")
+    demo.add_argument(
+        "--workdir", default="p2ptrain-demo", help="where the nodes keep their data (wiped)"
+    )
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    demo.add_argument("--no-baseline", action="store_true", help="skip the DDP-equivalent baseline")
+    demo.set_defaults(handler=run_demo)
+
+
+def _seconds_per_step(config: dict[str, Any]) -> float:
+    """Time a few inner steps of the demo model on one thread (to size the deadline)."""
+    import torch
+
+    from p2ptrain.torch.char_gpt import char_gpt_workload
+
+    torch.set_num_threads(1)
+    workload = char_gpt_workload(config)
+    weights = workload.initial_weights()
+    indices = list(range(workload.batch_size * 4))
+    workload.train_window(weights, indices, steps=1, seed=0)
+    started = time.perf_counter()
+    workload.train_window(weights, indices, steps=3, seed=1)
+    return (time.perf_counter() - started) / 3
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from p2ptrain.node.local_network import LocalNetwork, experiment_toml
+    from p2ptrain.torch.char_gpt import DEFAULT_CONFIG, DEMO_DEFAULTS
+
+    if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
+        raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
+    console = Console(stderr=True)
+    workdir = Path(args.workdir).resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    config = dict(DEFAULT_CONFIG)
+    step_s = _seconds_per_step(config)
+    cores = 2
+    # trainers share the cores; leave room for a slow window before giving up on a trainer
+    train_s = args.inner_steps * step_s * max(1.0, args.trainers / cores)
+    deadline_s = round(max(30.0, 3 * train_s + 15), 1)
+    console.print(
+        f"[bold]p2ptrain demo[/]: {args.trainers} trainers, 3 validators (quorum 2), 1 reducer, "
+        f"1 seed; {args.windows} windows of {args.inner_steps} inner steps "
+        f"(~{train_s:.0f} s each); work dir {workdir}"
+    )
+    started = time.monotonic()
+    network = LocalNetwork(workdir)
+    validators = [network.identity(f"validator-{i}") for i in range(3)]
+    reducers = [network.identity("reducer")]
+    toml = experiment_toml(
+        validators=validators,
+        reducers=reducers,
+        quorum=2,
+        workload={"name": "char-gpt", "config": config},
+        inner_steps=args.inner_steps,
+        deadline_s=deadline_s,
+        proposal_s=10.0,
+        min_updates=max(1, args.trainers // 2),
+        max_updates=args.trainers,
+        outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
+        outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
+        inner_lr=float(config["lr"]),
+    )
+    path = network.write_experiment(toml)
+    trainers = [f"trainer-{i}" for i in range(args.trainers)]
+    try:
+        network.start("seed", "seed", args=["--experiment-toml", str(path)])
+        network.wait_ready(["seed"])
+        others = ["reducer", *(f"validator-{i}" for i in range(3))]
+        network.start("reducer", "reducer")
+        for i in range(3):
+            network.start(f"validator-{i}", "validator")
+        network.wait_ready(others)
+        for name in trainers:
+            network.start(name, "trainer")
+        network.wait_ready(trainers)
+        _follow(network, args.windows, console, per_window_s=deadline_s + 60)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping every node")
+        network.stop()
+        return 130
+    finally:
+        network.stop()
+    network_s = time.monotonic() - started
+    summary = _summarise(network, trainers, args, config, console=console)
+    summary["network_seconds"] = round(network_s, 1)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        _print_summary(summary, console)
+    return 0 if summary["windows_certified"] >= args.windows else 1
+
+
+def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> dict[str, Any]:
+    """Show progress until the seed adopts ``windows`` heads."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    reached = [0]
+    losses: dict[int, list[tuple[float, float]]] = {}
+    with Progress(
+        TextColumn("[bold]windows certified"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("waiting for the first window", total=windows)
+        last = time.monotonic()
+        events = network.next_events(per_window_s * windows, until=lambda: reached[0] >= windows)
+        for name, event in events:
+            kind = event["event"]
+            if kind == "trained":
+                losses.setdefault(int(event["window"]), []).append(
+                    (float(event["loss_before"]), float(event["loss_after"]))
+                )
+                progress.update(task, description=f"{name} trained window {event['window']}")
+            elif kind == "adopted" and name == "seed":
+                height = reached[0] = int(event["height"])
+                pairs = losses.get(height, [])
+                loss = ""
+                if pairs:
+                    before = sum(p[0] for p in pairs) / len(pairs)
+                    after = sum(p[1] for p in pairs) / len(pairs)
+                    loss = f", train loss {before:.3f} -> {after:.3f}"
+                now = time.monotonic()
+                progress.console.print(
+                    f"window {height} certified: {event['accepted']} updates{loss}, "
+                    f"{now - last:.1f} s"
+                )
+                last = now
+                progress.update(task, completed=height, description="")
+            elif kind == "reported":
+                progress.console.print(
+                    f"[yellow]{name}: peer {event['peer'][:12]}: {event['reason']}"
+                )
+            elif kind == "exited" and name == "seed":
+                raise LocalError(f"the seed exited; see {network.nodes['seed'].log}")
+    return {"height": reached[0]}
+
+
+def _summarise(
+    network: Any,
+    trainers: list[str],
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    *,
+    console: Any,
+) -> dict[str, Any]:
+    import torch
+
+    from p2ptrain.data.shards import lease_indices
+    from p2ptrain.node.export import canonical_weights, export_checkpoint
+    from p2ptrain.node.runtime import window_seed
+    from p2ptrain.protocol.leases import lease_for
+    from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
+    from p2ptrain.torch.char_gpt import char_gpt_workload
+
+    seed_dir = network.workdir / "seed"
+    checkpoint = network.workdir / "model.safetensors"
+    exported = export_checkpoint(seed_dir, checkpoint)
+    manifest, experiment_id, height, _head, weights = canonical_weights(seed_dir)
+    torch.set_num_threads(2)
+    workload = char_gpt_workload(config)
+    val_loss = workload.evaluate(weights)
+    peer_ids = [network.nodes[t].peer_id for t in trainers]
+    sent = []
+    for name in trainers:
+        status = json.loads((network.workdir / name / "status.json").read_text())
+        sent.append(int(status["bytes_sent"]))
+    parameters = sum(t.numel() for t in weights.values())
+    steps = height * manifest.inner_steps
+    summary: dict[str, Any] = {
+        "windows_certified": height,
+        "val_loss": round(val_loss, 4),
+        "baseline_val_loss": None,
+        "bytes_per_trainer": int(sum(sent) / len(sent)),
+        "ddp_bytes_per_trainer": ddp_bytes_per_worker(parameters, steps, len(trainers)),
+        "checkpoint": exported["checkpoint"],
+        "parameters": parameters,
+        "trainers": len(trainers),
+        "inner_steps": manifest.inner_steps,
+        "experiment_id": experiment_id,
+    }
+    if not args.no_baseline and height > 0:
+        console.print(f"training the DDP-equivalent baseline ({steps} steps)...")
+        windows = [
+            [lease_indices(manifest.dataset, lease_for(manifest, w, p)) for p in peer_ids]
+            for w in range(1, height + 1)
+        ]
+        baseline = ddp_equivalent(
+            char_gpt_workload(config),
+            windows,
+            steps=manifest.inner_steps,
+            seed_of=lambda w, t: window_seed(peer_ids[t], w + 1),
+        )
+        summary["baseline_val_loss"] = round(baseline, 4)
+        summary["val_loss_ratio"] = round(val_loss / baseline, 4)
+    summary["bytes_ratio"] = round(
+        summary["ddp_bytes_per_trainer"] / max(1, summary["bytes_per_trainer"]), 1
+    )
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="p2ptrain demo", show_header=False)
+    table.add_row("windows certified", str(summary["windows_certified"]))
+    table.add_row("validation loss (canonical)", f"{summary['val_loss']:.4f}")
+    if summary["baseline_val_loss"] is not None:
+        table.add_row(
+            "validation loss (DDP-equivalent)",
+            f"{summary['baseline_val_loss']:.4f}  (ratio {summary['val_loss_ratio']:.3f})",
+        )
+    table.add_row("bytes sent per trainer", f"{summary['bytes_per_trainer'] / 1e6:.2f} MB")
+    table.add_row(
+        "DDP would have sent",
+        f"{summary['ddp_bytes_per_trainer'] / 1e6:.1f} MB  ({summary['bytes_ratio']:.0f}x more)",
+    )
+    table.add_row("checkpoint", summary["checkpoint"])
+    table.add_row("time", f"{summary['seconds']:.0f} s")
+    console.print(table)
+    sys.stdout.flush()

@@ -1,0 +1,288 @@
+"""``p2ptrain seed | train | validate | reduce | status | export``: running nodes.
+
+Each node command takes its settings from an optional TOML file (``--config``; keys are the
+flag names with ``_`` for ``-``, e.g. ``bootstrap = ["http://seed:7700"]``) and from flags,
+which win. A node prints one line per certified window (``--json``: one JSON object per
+event on stdout, for scripts and the demo) and logs problems on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.node.setup import NodeSettings
+
+_NODE_COMMANDS = {
+    "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
+    "train": ("trainer", "train windows of an experiment and publish updates"),
+    "validate": ("validator", "re-check every window and attest the next canonical head"),
+    "reduce": ("reducer", "aggregate each window's updates and propose the next head"),
+}
+_CONFIG_KEYS = {
+    "dir",
+    "experiment",
+    "experiment_toml",
+    "bootstrap",
+    "listen",
+    "advertise",
+    "relay",
+    "secret_file",
+    "windows",
+    "threads",
+    "mdns",
+    "network_name",
+}
+
+
+def add_parsers(commands: Any, data_dir: str) -> None:
+    for command, (role, help_text) in _NODE_COMMANDS.items():
+        parser = commands.add_parser(command, help=help_text, description=help_text + ".")
+        _node_arguments(parser, data_dir, role)
+        parser.set_defaults(handler=run_node_command, role=role)
+
+    status = commands.add_parser(
+        "status",
+        help="show a node's peers, head height and last window",
+        description="Show the status of a node: a data directory (any role, read from its "
+        "status file) or the address of a reachable node (asked over HTTP).",
+    )
+    status.add_argument(
+        "target", nargs="?", default=data_dir, help=f"data directory or http address ({data_dir})"
+    )
+    status.add_argument("--secret-file", help="the network secret, for a private network")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=run_status)
+
+    export = commands.add_parser(
+        "export",
+        help="write the canonical model as safetensors with its config",
+        description="Write the weights of the last certified head held in a data directory "
+        "as a safetensors file (metadata: experiment, height, head id, workload) and its "
+        "config as JSON beside it.",
+    )
+    export.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")
+    export.add_argument("--out", default="model.safetensors", help="output file")
+    export.add_argument("--json", action="store_true", help="print JSON")
+    export.set_defaults(handler=run_export)
+
+
+def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str) -> None:
+    parser.add_argument("--config", help="TOML file with these settings (flags win)")
+    parser.add_argument("--dir", help=f"data directory (default: {data_dir})")
+    if role == "seed":
+        parser.add_argument(
+            "--experiment-toml",
+            help="experiment definition to sign and serve (see examples/shakespeare.toml)",
+        )
+    parser.add_argument("--experiment", help="the experiment id to join (the seed prints it)")
+    parser.add_argument(
+        "--bootstrap", action="append", help="seed address http://HOST:PORT (repeatable)"
+    )
+    listen_default = "127.0.0.1:0" if role in ("seed", "validator", "reducer") else None
+    parser.add_argument(
+        "--listen",
+        help="HOST:PORT to serve on; 'none' for outbound only (default: "
+        + (listen_default or "none")
+        + ")",
+    )
+    parser.add_argument(
+        "--advertise", action="append", help="address peers should dial (repeatable)"
+    )
+    parser.add_argument("--relay", help="a seed that relays requests to this private node")
+    parser.add_argument("--secret-file", help="file holding a private network's secret")
+    parser.add_argument("--windows", type=int, help="stop once this many windows are certified")
+    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
+    parser.add_argument("--mdns", action="store_true", default=None, help="find peers on the LAN")
+    parser.add_argument("--network-name", help="name of the network a seed creates")
+    parser.add_argument("--json", action="store_true", help="print events as JSON lines")
+    parser.set_defaults(listen_default=listen_default, data_dir_default=data_dir)
+
+
+def _config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LocalError(f"cannot read the config {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise LocalError(f"the config {path} is not valid TOML: {exc}") from exc
+    unknown = sorted(set(raw) - _CONFIG_KEYS)
+    if unknown:
+        known = ", ".join(sorted(_CONFIG_KEYS))
+        raise LocalError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {known}")
+    return raw
+
+
+def _listen(text: str | None) -> tuple[str | None, int]:
+    if text is None or text.lower() == "none":
+        return None, 0
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise LocalError(f"--listen {text!r}: use HOST:PORT (port 0 picks a free one) or none")
+    return host.strip("[]"), int(port)
+
+
+def _secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise LocalError(f"cannot read the secret file {path}: {exc.strerror}") from exc
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = text.encode()
+    if len(secret) < 16:
+        raise LocalError(f"the secret in {path} is shorter than 16 bytes; use 32 random bytes")
+    return secret
+
+
+def settings_from(args: argparse.Namespace) -> NodeSettings:
+    config = _config(args.config)
+
+    def pick(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, None)
+        return config.get(name, default) if value is None else value
+
+    host, port = _listen(pick("listen", args.listen_default))
+    toml = pick("experiment_toml")
+    return NodeSettings(
+        data_dir=Path(pick("dir", args.data_dir_default)),
+        roles=(args.role,),
+        experiment_id=pick("experiment"),
+        experiment_toml=None if toml is None else Path(toml),
+        bootstrap=tuple(pick("bootstrap", [])),
+        host=host,
+        port=port,
+        advertise=tuple(pick("advertise", [])),
+        relay=pick("relay"),
+        secret=_secret(pick("secret_file")),
+        network_name=pick("network_name", "p2ptrain"),
+        windows=pick("windows"),
+        threads=int(pick("threads", 1)),
+        mdns=bool(pick("mdns", False)),
+    )
+
+
+def run_node_command(args: argparse.Namespace) -> int:
+    from p2ptrain.node.launch import run_node
+
+    settings = settings_from(args)
+    printer = _json_event if args.json else _human_event
+    status = run_node(settings, on_event=printer)
+    if not args.json:
+        print(f"stopped at height {status['height']} (head {status['head_id'][:12]})")
+    return 0
+
+
+def _json_event(event: dict[str, Any]) -> None:
+    print(json.dumps(event, default=str), flush=True)
+
+
+def _human_event(event: dict[str, Any]) -> None:
+    kind = event["event"]
+    stamp = time.strftime("%H:%M:%S")
+    if kind == "ready":
+        where = event.get("address") or "outbound only"
+        print(
+            f"{stamp} ready: peer {event['peer_id'][:16]} at {where}; experiment "
+            f"{event['experiment_id']} at height {event['height']}",
+            flush=True,
+        )
+    elif kind == "adopted":
+        print(
+            f"{stamp} window {event['height']} certified: head {event['head_id'][:12]}, "
+            f"{event['accepted']} updates accepted, {event['seconds']:.1f} s ({event['reason']})",
+            flush=True,
+        )
+    elif kind == "trained":
+        print(
+            f"{stamp} trained window {event['window']}: loss {event['loss_before']:.3f} -> "
+            f"{event['loss_after']:.3f} in {event['seconds']:.1f} s, update "
+            f"{event['blob_bytes'] / 1e6:.2f} MB",
+            flush=True,
+        )
+    elif kind == "reported":
+        print(f"{stamp} peer {event['peer'][:16]} misbehaved: {event['reason']}", flush=True)
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def run_status(args: argparse.Namespace) -> int:
+    target: str = args.target
+    if target.startswith(("http://", "https://")):
+        status = asyncio.run(_remote_status(target, _secret(args.secret_file)))
+    else:
+        path = Path(target) / "status.json"
+        try:
+            status = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise LocalError(
+                f"{target} has no status file: is it a node's data directory, and has the "
+                "node run? (pass an http address to ask a running node directly)"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise LocalError(f"cannot read {path}: {exc}") from exc
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    last = status.get("last_window") or {}
+    print(f"peer       {status['peer_id'][:16]}  roles {', '.join(status['roles'])}")
+    print(f"address    {status.get('address') or 'outbound only'}")
+    print(f"experiment {status['experiment_id']}")
+    print(f"height     {status['height']}  head {status['head_id'][:16]}")
+    print(f"peers      {status['peers']} known, {status['connections']}")
+    if last:
+        print(f"last       window {last['height']}: {last['accepted']} accepted ({last['reason']})")
+    for reason in status.get("reasons", []):
+        print(f"report     {reason}")
+    return 0
+
+
+async def _remote_status(address: str, secret: bytes | None) -> dict[str, Any]:
+    from p2ptrain.core.envelope import open_envelope
+    from p2ptrain.core.identity import Identity
+    from p2ptrain.core.manifests import NetworkManifest
+    from p2ptrain.net.auth import ClientCredentials
+    from p2ptrain.net.client import PeerClient, fetch_network_manifest
+
+    try:
+        network = open_envelope(await fetch_network_manifest(address), NetworkManifest)
+        client = PeerClient(ClientCredentials(network.record, Identity.generate(), secret=secret))
+        try:
+            async with client.request("GET", address, "/v1/status") as response:
+                data: dict[str, Any] = json.loads(await response.read())
+        finally:
+            await client.close()
+    except (TransportError, ProtocolViolation) as exc:
+        raise LocalError(f"cannot get the status of {address}: {exc}") from exc
+    return data
+
+
+# -- export ---------------------------------------------------------------------------------
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from p2ptrain.node.export import export_checkpoint
+
+    result = export_checkpoint(Path(args.dir), Path(args.out))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"wrote {result['checkpoint']} (height {result['height']}, head "
+            f"{result['head_id'][:12]}) and {result['config']}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,105 @@
+"""Exporting the canonical model: the last certified head a data directory holds.
+
+The chain is verified again from genesis before its tip is written out, so an export is
+exactly what the validators certified. The weights go to a safetensors file whose metadata
+names the experiment, height, head id and workload; the workload's name and config, the
+experiment's training settings and the same ids go to a JSON file beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from safetensors.torch import save_file
+
+from p2ptrain.core.envelope import open_envelope
+from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.tensors import decode_state_dict
+from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.node.persist import NodeStore
+from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.store.datadir import DataDir
+
+__all__ = ["canonical_weights", "export_checkpoint"]
+
+
+def canonical_weights(
+    data_dir: Path,
+) -> tuple[ExperimentManifest, str, int, str, dict[str, torch.Tensor]]:
+    """(manifest, experiment id, height, head id, weights) of the verified tip."""
+    if not (data_dir / "node.db").exists():
+        raise LocalError(f"{data_dir} is not a node's data directory (no node.db)")
+    with DataDir(data_dir) as datadir:
+        store = NodeStore(datadir)
+        experiment_id = store.experiment_id()
+        if experiment_id is None:
+            raise LocalError(f"{data_dir} follows no experiment yet; run a node on it first")
+        raw = store.record(experiment_id)
+        if raw is None:
+            raise LocalError(f"{data_dir}: the experiment manifest is missing")
+        manifest = open_envelope(raw, ExperimentManifest).record
+        chain = HeadChain(manifest)
+        links = store.links(experiment_id)
+        if links:
+            verdict = chain.catch_up(links, weights_ok=lambda head: True)
+            if not verdict:
+                raise LocalError(f"the stored chain does not verify: {verdict.reason}")
+        tip = chain.tip
+        try:
+            blob = datadir.blobs.get(tip.head.weights_blob)
+            weights = decode_state_dict(blob, expected_schema=manifest.workload.schema_hash)
+        except (OSError, ProtocolViolation) as exc:
+            raise LocalError(f"the weights of head {tip.head_id[:12]} are unusable: {exc}") from exc
+        return manifest, experiment_id, tip.head.height, tip.head_id, weights
+
+
+def export_checkpoint(data_dir: Path, out: Path) -> dict[str, Any]:
+    manifest, experiment_id, height, head_id, weights = canonical_weights(data_dir)
+    workload = {"name": manifest.workload.name, "config": dict(manifest.workload.config)}
+    metadata = {
+        "format": "p2ptrain-checkpoint/1",
+        "experiment_id": experiment_id,
+        "height": str(height),
+        "head_id": head_id,
+        "workload": json.dumps(workload, sort_keys=True),
+    }
+    config = {
+        "experiment_id": experiment_id,
+        "height": height,
+        "head_id": head_id,
+        "workload": workload,
+        "study": manifest.study,
+        "name": manifest.name,
+        "revision": manifest.revision,
+        "inner_steps": manifest.inner_steps,
+        "inner_optimizer": msgspec.to_builtins(manifest.inner_optimizer),
+        "outer_optimizer": msgspec.to_builtins(manifest.outer_optimizer),
+        "codec": msgspec.to_builtins(manifest.codec),
+        "aggregation": msgspec.to_builtins(manifest.aggregation),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config_path = out.with_suffix(".json")
+    temporary = out.with_name(f".{out.name}.tmp")
+    try:
+        save_file(
+            {name: t.contiguous() for name, t in weights.items()},
+            str(temporary),
+            metadata=metadata,
+        )
+        os.replace(temporary, out)
+        config_path.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise LocalError(f"cannot write the checkpoint {out}: {exc.strerror}") from exc
+    return {
+        "checkpoint": str(out),
+        "config": str(config_path),
+        "experiment_id": experiment_id,
+        "height": height,
+        "head_id": head_id,
+    }

@@ -1,0 +1,247 @@
+"""A whole network on one machine: every node its own OS process, on loopback.
+
+``p2ptrain demo`` and the integration tests use this. It creates the validators' and
+reducers' identities first (the experiment manifest names their keys), writes the
+experiment definition, starts a seed that signs it, then starts the other nodes against the
+seed. Each node runs ``python -m p2ptrain <role> --json``: its stdout is one JSON event per
+line (``ready``, ``adopted``, ``trained``, ...), read by a thread per process into one
+queue; its stderr goes to ``logs/<name>.log``. Stopping sends SIGINT (a node stops cleanly)
+and escalates to SIGKILL only for a node that does not exit in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from p2ptrain.errors import LocalError
+from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
+
+__all__ = ["LocalNetwork", "NodeProcess", "experiment_toml"]
+
+_ROLE_COMMAND = {"seed": "seed", "trainer": "train", "validator": "validate", "reducer": "reduce"}
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    role: str
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str | None:
+        address = self.ready.get("address")
+        return None if address is None else str(address)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.ready.get("peer_id", ""))
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the node can tell."""
+        self.signal(signal.SIGKILL)
+        self.process.wait()
+
+
+def experiment_toml(
+    *,
+    validators: Sequence[str],
+    reducers: Sequence[str],
+    quorum: int,
+    workload: Mapping[str, Any],
+    inner_steps: int,
+    deadline_s: float,
+    proposal_s: float,
+    min_updates: int,
+    max_updates: int,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    inner_lr: float = 1e-3,
+    study: str = "demo",
+    name: str = "shakespeare",
+) -> str:
+    """An experiment definition for a registered workload (the seed fills in the dataset,
+    schema hash, genesis weights and lease size)."""
+    config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in workload["config"].items())
+    lines = [
+        f'study = "{study}"',
+        f'name = "{name}"',
+        f"inner_steps = {inner_steps}",
+        f"validators = {json.dumps(sorted(validators))}",
+        f"reducers = {json.dumps(sorted(reducers))}",
+        f"quorum = {quorum}",
+        "",
+        "[workload]",
+        f'name = "{workload["name"]}"',
+        f"config = {{ {config} }}",
+        "",
+        "[inner_optimizer]",
+        'name = "adamw"',
+        f"lr = {inner_lr!r}",
+        "",
+        "[outer_optimizer]",
+        'name = "nesterov"',
+        f"lr = {outer_lr!r}",
+        f"momentum = {outer_momentum!r}",
+        "",
+        "[window]",
+        f"deadline_s = {float(deadline_s)!r}",
+        f"proposal_s = {float(proposal_s)!r}",
+        f"min_updates = {min_updates}",
+        f"max_updates = {max_updates}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+class LocalNetwork:
+    """Processes of one local network, their events, and their orderly end."""
+
+    def __init__(self, workdir: Path, *, python: str = sys.executable) -> None:
+        self.workdir = workdir
+        self.python = python
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.nodes: dict[str, NodeProcess] = {}
+        self.seed: NodeProcess | None = None
+        self.experiment_id: str | None = None
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    # -- identities and the experiment ---------------------------------------------------
+
+    def identity(self, name: str) -> str:
+        """Create (or read) the node's identity; return its public key (hex)."""
+        directory = self.workdir / name
+        if identity_path(directory).exists():
+            return load_identity(directory).public_key.hex()
+        return create_identity(directory).public_key.hex()
+
+    def write_experiment(self, text: str) -> Path:
+        path = self.workdir / "experiment.toml"
+        path.write_text(text)
+        return path
+
+    # -- processes ------------------------------------------------------------------------
+
+    def start(
+        self,
+        name: str,
+        role: str,
+        *,
+        args: Sequence[str] = (),
+        listen: bool | None = None,
+        windows: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> NodeProcess:
+        """Start a node (the seed first); it is ready once :meth:`wait_ready` says so."""
+        command = [self.python, "-m", "p2ptrain", _ROLE_COMMAND[role], "--json"]
+        command += ["--dir", str(self.workdir / name)]
+        if listen is None:
+            listen = role != "trainer"
+        command += ["--listen", "127.0.0.1:0" if listen else "none"]
+        if role != "seed":
+            if self.seed is None or self.seed.address is None or self.experiment_id is None:
+                raise LocalError("start the seed (and wait until it is ready) first")
+            command += ["--bootstrap", self.seed.address, "--experiment", self.experiment_id]
+        if windows is not None:
+            command += ["--windows", str(windows)]
+        command += list(args)
+        log = self.workdir / "logs" / f"{name}.log"
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log, "ab") as log_file:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                env=environment,
+                start_new_session=True,  # Ctrl-C in the terminal reaches us, not them
+            )
+        node = NodeProcess(name, role, self.workdir / name, process, log)
+        self.nodes[name] = node
+        assert process.stdout is not None
+        threading.Thread(
+            target=self._read, args=(name, process.stdout), name=f"events-{name}", daemon=True
+        ).start()
+        if role == "seed":
+            self.seed = node
+        return node
+
+    def _read(self, name: str, stream: IO[bytes]) -> None:
+        for line in stream:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.events.put((name, event))
+        self.events.put((name, {"event": "exited"}))
+
+    def wait_ready(self, names: Sequence[str], timeout_s: float = 120.0) -> None:
+        """Wait for each named node's ``ready`` event (the seed's also names the experiment)."""
+        waiting = {n for n in names if not self.nodes[n].ready}
+        for name, event in self.next_events(timeout_s, until=lambda: not waiting):
+            if event["event"] == "ready" and name in waiting:
+                self.nodes[name].ready = event
+                waiting.discard(name)
+                if self.nodes[name].role == "seed":
+                    self.experiment_id = str(event["experiment_id"])
+            elif event["event"] == "exited" and name in waiting:
+                raise LocalError(
+                    f"node {name} exited before it was ready; see {self.nodes[name].log}"
+                )
+        if waiting:
+            raise LocalError(f"nodes {sorted(waiting)} not ready after {timeout_s:.0f} s")
+
+    def next_events(
+        self, timeout_s: float, until: Any = None
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Events as they come, until ``until()`` is true or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while until is None or not until():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                yield self.events.get(timeout=left)
+            except queue.Empty:
+                return
+
+    # -- the end --------------------------------------------------------------------------
+
+    def stop(self, names: Sequence[str] | None = None, timeout_s: float = 20.0) -> None:
+        """SIGINT, then SIGKILL whoever is still running after ``timeout_s``."""
+        chosen = [self.nodes[n] for n in (names or list(self.nodes))]
+        for node in chosen:
+            node.signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        for node in chosen:
+            try:
+                node.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.kill()
+
+    def __enter__(self) -> LocalNetwork:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,152 @@
+"""What a node keeps in its data directory so that a restart resumes where it stopped.
+
+* the signed network and experiment manifests it follows (records ``network`` and
+  ``experiment``, and ``meta['experiment']`` naming the experiment);
+* every certified head it adopted, as a :class:`CertifiedLink` (record ``certified`` under
+  the certificate id, indexed in ``certified_heads``), and the head's weights and optimizer
+  blobs in the blob store -- on restart the links are verified again from genesis
+  (``HeadChain.catch_up``) before the tip's weights are used;
+* a validator's votes (``meta['votes']``): it never attests two heads at one height, not
+  even across a crash;
+* signed updates and proposals it saw (records), which peers ask for by id;
+* a trainer's inner optimizer state (``trainer-state.safetensors``), written atomically
+  after each window.
+
+SQLite commits and blob renames are atomic, and every write happens before the action that
+depends on it (a vote is stored before the attestation is sent), so a crash at any point
+leaves a state the node can resume from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
+from p2ptrain.core.encoding import decode, encode
+from p2ptrain.core.records import Head
+from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.store.datadir import DataDir
+
+__all__ = ["TRAINER_STATE_FILE", "NodeStore"]
+
+TRAINER_STATE_FILE = "trainer-state.safetensors"
+_VOTES = "votes"
+_EXPERIMENT = "experiment"
+_MAX_LINK_BYTES = 1 << 20
+#: Votes kept (by height); older ones can no longer matter.
+_KEEP_VOTES = 64
+
+
+class NodeStore:
+    """The node's view of its :class:`DataDir`."""
+
+    def __init__(self, datadir: DataDir) -> None:
+        self.datadir = datadir
+        self.state = datadir.state
+        self.blobs = datadir.blobs
+
+    # -- manifests ------------------------------------------------------------------------
+
+    def experiment_id(self) -> str | None:
+        raw = self.state.get_meta(_EXPERIMENT)
+        return None if raw is None else raw.decode()
+
+    def remember_experiment(self, experiment_id: str) -> None:
+        current = self.experiment_id()
+        if current is not None and current != experiment_id:
+            raise LocalError(
+                f"the data directory {self.datadir.path} follows experiment {current}, not "
+                f"{experiment_id}; use another --dir for another experiment"
+            )
+        self.state.set_meta(_EXPERIMENT, experiment_id.encode())
+
+    # -- certified heads ------------------------------------------------------------------
+
+    def put_link(self, head: Head, certificate: QuorumCertificate) -> None:
+        data = encode(CertifiedLink(head=head, certificate=certificate))
+        self.state.put_record(
+            certificate.id,
+            "certified",
+            data,
+            experiment_id=head.experiment_id,
+            height=head.height,
+        )
+        self.state.put_certified_head(head.experiment_id, head.height, head.id, certificate.id)
+
+    def links(self, experiment_id: str) -> list[tuple[Head, QuorumCertificate]]:
+        """Every stored certified head above genesis, in height order (unverified: hand them
+        to ``HeadChain.catch_up``)."""
+        links: list[tuple[Head, QuorumCertificate]] = []
+        for _record_id, data in self.state.records("certified", experiment_id=experiment_id):
+            try:
+                link = decode(CertifiedLink, data, max_bytes=_MAX_LINK_BYTES)
+            except ProtocolViolation as exc:
+                raise LocalError(
+                    f"a stored certified head in {self.state.path} does not decode ({exc}); "
+                    "the database is damaged: move the data directory away and rejoin"
+                ) from exc
+            links.append((link.head, link.certificate))
+        links.sort(key=lambda pair: pair[0].height)
+        return links
+
+    # -- votes ----------------------------------------------------------------------------
+
+    def votes(self) -> dict[int, str]:
+        raw = self.state.get_meta(_VOTES)
+        if raw is None:
+            return {}
+        return {int(height): str(head) for height, head in json.loads(raw).items()}
+
+    def put_vote(self, height: int, head_id: str) -> None:
+        votes = self.votes()
+        votes[height] = head_id
+        kept = dict(sorted(votes.items())[-_KEEP_VOTES:])
+        self.state.set_meta(_VOTES, json.dumps({str(h): v for h, v in kept.items()}).encode())
+
+    # -- records --------------------------------------------------------------------------
+
+    def put_signed(
+        self, record_id: str, kind: str, envelope: bytes, experiment_id: str, height: int
+    ) -> None:
+        self.state.put_record(record_id, kind, envelope, experiment_id=experiment_id, height=height)
+
+    def record(self, record_id: str) -> bytes | None:
+        return self.state.get_record(record_id)
+
+    # -- trainer state --------------------------------------------------------------------
+
+    def trainer_state_path(self) -> Path:
+        return self.datadir.path / TRAINER_STATE_FILE
+
+    def save_trainer_state(
+        self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> None:
+        path = self.trainer_state_path()
+        temporary = path.with_name(f".{path.name}.tmp")
+        contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        save_file(contiguous, str(temporary), metadata=dict(metadata))
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+
+    def load_trainer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        """Our own file, written by :meth:`save_trainer_state` (never bytes from a peer)."""
+        path = self.trainer_state_path()
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = dict(handle.metadata() or {})
+            return load_file(str(path)), metadata
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            raise LocalError(
+                f"cannot read the trainer state {path}: {exc}; delete it to restart the "
+                "inner optimizer from scratch"
+            ) from exc

@@ -1,0 +1,262 @@
+"""Getting a node ready to run: its identity, the manifests it follows and the genesis weights.
+
+Three ways in, tried in this order:
+
+1. **Restart.** The data directory already follows an experiment: the signed manifests and
+   the genesis weights are read back from it (the certified chain is restored by the node).
+2. **A seed creating the network.** ``experiment_toml`` names an experiment definition: the
+   seed signs a network manifest and the experiment manifest with its own key, filling in
+   what a registered workload computes (dataset shards, schema hash, genesis weights,
+   ``lease_size = inner_steps x batch size``) unless the file sets them.
+3. **Joining.** ``experiment_id`` names the experiment: the signed network manifest comes
+   from a bootstrap seed (without credentials; it is only trusted because the experiment,
+   whose id we were given, names its id), then the experiment manifest (checked to hash to
+   the id) and the genesis weights (checked against the manifest) with signed requests.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.envelope import Signed, open_envelope, seal
+from p2ptrain.core.experiment_config import experiment_from_toml
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
+from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.auth import ClientCredentials
+from p2ptrain.net.client import PeerClient, fetch_network_manifest
+from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.node.persist import NodeStore
+from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
+
+__all__ = ["ROLES", "NodeSettings", "Prepared", "prepare"]
+
+ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
+_MAX_GENESIS_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything a node is told by its operator (the CLI builds this from TOML and flags)."""
+
+    data_dir: Path
+    roles: tuple[str, ...]
+    #: The experiment to join (64 hex), or None on restart / for a seed creating one.
+    experiment_id: str | None = None
+    #: A seed creating the network: the experiment definition (TOML) to sign.
+    experiment_toml: Path | None = None
+    bootstrap: tuple[str, ...] = ()
+    #: Listen address; None runs no server (outbound only, or relayed through ``relay``).
+    host: str | None = "127.0.0.1"
+    port: int = 0
+    advertise: tuple[str, ...] = ()
+    relay: str | None = None
+    #: A private network's secret (every request proves it).
+    secret: bytes | None = None
+    network_name: str = "p2ptrain"
+    #: Stop once the chain reaches this height (None: run until stopped).
+    windows: int | None = None
+    #: Torch threads for training and reductions.
+    threads: int = 1
+    mdns: bool = False
+    #: How often the node asks a peer whether the chain moved past it (missed certificates).
+    sync_interval_s: float = 2.0
+    #: Seconds a blob fetch waits for bytes before failing over.
+    fetch_timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.roles if r not in ROLES]
+        if unknown or not self.roles:
+            raise LocalError(f"roles {list(self.roles)}: choose from {', '.join(ROLES)}")
+        machine_roles = [r for r in self.roles if r in ("trainer", "reducer", "validator")]
+        if len(machine_roles) > 1:
+            raise LocalError(
+                f"one node takes one of trainer, reducer and validator (got {machine_roles}); "
+                "run a second node with its own --dir for the other role"
+            )
+        if self.experiment_id is not None and not _is_hex_id(self.experiment_id):
+            raise LocalError(f"experiment id {self.experiment_id!r:.80} is not 64 hex digits")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    identity: Identity
+    network: Signed[NetworkManifest]
+    experiment: Signed[ExperimentManifest]
+    genesis: dict[str, torch.Tensor]
+
+
+def _is_hex_id(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def _identity(data_dir: Path) -> Identity:
+    if identity_path(data_dir).exists():
+        return load_identity(data_dir)
+    return create_identity(data_dir)
+
+
+async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
+    identity = _identity(settings.data_dir)
+    known = store.experiment_id()
+    if known is not None:
+        if settings.experiment_id not in (None, known):
+            raise LocalError(
+                f"{settings.data_dir} follows experiment {known}, not {settings.experiment_id}; "
+                "use another --dir to join another experiment"
+            )
+        return _restored(identity, store, known)
+    if settings.experiment_toml is not None:
+        return _created(settings, identity, store)
+    if settings.experiment_id is None:
+        raise LocalError(
+            "no experiment: pass --experiment ID to join one (the seed prints it), or give a "
+            "seed an experiment definition (--experiment-toml FILE)"
+        )
+    if not settings.bootstrap:
+        raise LocalError("joining needs a seed: pass --bootstrap http://SEED:PORT")
+    return await _joined(settings, identity, store, settings.experiment_id)
+
+
+def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepared:
+    raw_experiment = store.record(experiment_id)
+    if raw_experiment is None:
+        raise LocalError(f"{store.datadir.path}: the experiment manifest is missing; rejoin")
+    experiment = open_envelope(raw_experiment, ExperimentManifest)
+    raw_network = store.record(experiment.record.network_id)
+    if raw_network is None:
+        raise LocalError(f"{store.datadir.path}: the network manifest is missing; rejoin")
+    network = open_envelope(raw_network, NetworkManifest)
+    genesis = _decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
+    return Prepared(identity, network, experiment, genesis)
+
+
+def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Prepared:
+    from p2ptrain.torch.registry import make_workload
+
+    assert settings.experiment_toml is not None
+    path = settings.experiment_toml
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
+    network = NetworkManifest(
+        name=settings.network_name,
+        authority=identity.public_key,
+        secret_check=None if settings.secret is None else secret_check(settings.secret),
+    )
+    signed_network = seal(identity, network)
+    # Parse once to learn the workload, then fill in what it computes.
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LocalError(f"{path} is not valid TOML: {exc}") from exc
+    spec = raw.get("workload")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise LocalError(f'{path}: [workload] needs a name (e.g. name = "char-gpt")')
+    workload = make_workload(spec["name"], spec.get("config", {}))
+    genesis = workload.initial_weights()
+    genesis_blob = bytes(encode_state_dict(genesis))
+    inner_steps = int(raw.get("inner_steps", 50))
+    fill: dict[str, Any] = {
+        "network_id": signed_network.record_id,
+        "workload": {"schema_hash": schema_hash(genesis)},
+        "dataset": msgspec.to_builtins(workload.dataset_manifest()),
+        "genesis_weights": sha256_hex(genesis_blob),
+        "lease_size": inner_steps * workload.batch_size,
+    }
+    manifest = experiment_from_toml(text, identity.public_key, fill)
+    if manifest.network_id != signed_network.record_id:
+        raise LocalError(
+            f"{path}: network_id is set to another network; leave it out and the seed fills "
+            "in its own"
+        )
+    signed = seal(identity, manifest)
+    store.blobs.put(genesis_blob)
+    _remember(store, signed_network, signed)
+    return Prepared(identity, signed_network, signed, dict(genesis))
+
+
+def _remember(
+    store: NodeStore, network: Signed[NetworkManifest], experiment: Signed[ExperimentManifest]
+) -> None:
+    store.state.put_record(
+        network.record_id,
+        "network",
+        bytes(network.envelope.encode()),
+        signer=network.signer_id,
+    )
+    store.state.put_record(
+        experiment.record_id,
+        "experiment",
+        bytes(experiment.envelope.encode()),
+        experiment_id=experiment.record_id,
+        signer=experiment.signer_id,
+    )
+    store.remember_experiment(experiment.record_id)
+
+
+async def _joined(
+    settings: NodeSettings, identity: Identity, store: NodeStore, experiment_id: str
+) -> Prepared:
+    errors: list[str] = []
+    for address in settings.bootstrap:
+        try:
+            return await _join_through(settings, identity, store, experiment_id, address)
+        except (TransportError, ProtocolViolation) as exc:
+            errors.append(f"{address}: {exc}")
+    raise LocalError(
+        f"cannot join experiment {experiment_id[:16]}: "
+        + "; ".join(errors)
+        + ". Check the seed address and that the seed is running this experiment"
+    )
+
+
+async def _join_through(
+    settings: NodeSettings,
+    identity: Identity,
+    store: NodeStore,
+    experiment_id: str,
+    address: str,
+) -> Prepared:
+    network = open_envelope(await fetch_network_manifest(address), NetworkManifest)
+    client = PeerClient(ClientCredentials(network.record, identity, secret=settings.secret))
+    try:
+        raw = await client.record(address, experiment_id)
+        experiment = open_envelope(raw, ExperimentManifest)
+        if experiment.record_id != experiment_id:
+            raise ProtocolViolation(f"{address} answered another experiment")
+        if experiment.record.network_id != network.record_id:
+            raise ProtocolViolation(f"{address} serves another network than the experiment's")
+        fetcher = BlobFetcher(client, store.blobs, timeout_s=settings.fetch_timeout_s)
+        genesis_id = experiment.record.genesis_weights
+        await fetcher.fetch(genesis_id, [address])
+    finally:
+        await client.close()
+    genesis = _decode_genesis(bytes(store.blobs.get(genesis_id)))
+    if schema_hash(genesis) != experiment.record.workload.schema_hash:
+        raise ProtocolViolation("the genesis weights do not match the experiment's schema hash")
+    _remember(store, network, experiment)
+    return Prepared(identity, network, experiment, genesis)
+
+
+def _decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return decode_state_dict(blob, max_bytes=_MAX_GENESIS_BYTES)
+    except ProtocolViolation as exc:
+        raise LocalError(f"the genesis weights do not decode: {exc}") from exc
+
+
+def new_secret() -> bytes:
+    """A fresh network secret (32 random bytes)."""
+    return secrets.token_bytes(32)
