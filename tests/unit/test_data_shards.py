@@ -1,0 +1,113 @@
+"""Dataset shards: manifest names and content hashes, lease -> indices, Shakespeare blocks."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from p2ptrain.core.manifests import DatasetManifest, ShardInfo
+from p2ptrain.data.shakespeare import ShakespeareChars, load_corpus, plain_text
+from p2ptrain.data.shards import dataset_manifest, lease_indices, sample_bytes
+from p2ptrain.errors import LocalError
+from p2ptrain.protocol.leases import Lease
+
+
+class Pairs:
+    """``n`` samples ``(x, label)``; ``x`` depends on ``offset`` so two datasets can differ."""
+
+    def __init__(self, n: int, offset: float = 0.0) -> None:
+        self.n = n
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.arange(3, dtype=torch.float32) + index + self.offset, index % 2
+
+
+def test_shards_cover_the_dataset_with_a_partial_last_shard() -> None:
+    manifest = dataset_manifest(Pairs(10), name="pairs", samples_per_shard=4)
+    assert [s.name for s in manifest.shards] == ["pairs-00000", "pairs-00001", "pairs-00002"]
+    assert [s.samples for s in manifest.shards] == [4, 4, 2]
+    assert manifest.total_samples == 10
+
+
+def test_blob_ids_are_the_hash_of_canonical_sample_bytes() -> None:
+    manifest = dataset_manifest(Pairs(10), name="pairs", samples_per_shard=4)
+    digest = hashlib.sha256(b"p2ptrain/v1/shard\n")
+    for index in (8, 9):
+        x = torch.arange(3, dtype=torch.float32) + index
+        digest.update(b"sample 2\n")
+        digest.update(b"float32[3]\n" + x.numpy().tobytes())
+        digest.update(b"int64[]\n" + (index % 2).to_bytes(8, "little"))
+    assert manifest.shards[2].blob_id == digest.hexdigest()
+    assert b"".join(sample_bytes(torch.zeros(2, 0))) == b"sample 1\nfloat32[2,0]\n"
+
+
+def test_equal_data_gives_equal_manifests_and_different_data_different_ids() -> None:
+    first = dataset_manifest(Pairs(10), name="pairs", samples_per_shard=4)
+    again = dataset_manifest(Pairs(10), name="pairs", samples_per_shard=4)
+    changed = dataset_manifest(Pairs(10, offset=0.5), name="pairs", samples_per_shard=4)
+    assert first == again
+    assert all(a.blob_id != b.blob_id for a, b in zip(first.shards, changed.shards, strict=True))
+    # the dtype is part of the bytes: the same values as float64 hash differently
+    assert sample_bytes(torch.ones(2)) != sample_bytes(torch.ones(2, dtype=torch.float64))
+
+
+def test_bad_shard_settings_are_local_errors() -> None:
+    with pytest.raises(LocalError, match="samples_per_shard"):
+        dataset_manifest(Pairs(3), name="pairs", samples_per_shard=0)
+    with pytest.raises(LocalError, match="cannot name"):
+        dataset_manifest(Pairs(3), name="bad name", samples_per_shard=2)
+    with pytest.raises(LocalError, match="tensors, numbers"):
+        dataset_manifest(["text"], name="strings", samples_per_shard=1)
+
+
+def _dataset() -> DatasetManifest:
+    shards = [("d-00000", 4), ("d-00001", 4), ("d-00002", 2)]
+    return DatasetManifest(
+        name="d",
+        shards=tuple(
+            ShardInfo(name=n, blob_id=hashlib.sha256(n.encode()).hexdigest(), samples=s)
+            for n, s in shards
+        ),
+    )
+
+
+def test_lease_indices_take_the_first_samples_of_each_part_in_lease_order() -> None:
+    lease = Lease(window=1, peer_id="p", parts=(("d-00002", 2), ("d-00000", 4), ("d-00001", 3)))
+    assert lease_indices(_dataset(), lease) == [8, 9, 0, 1, 2, 3, 4, 5, 6]
+
+
+def test_lease_indices_reject_unknown_shards_and_oversized_parts() -> None:
+    with pytest.raises(LocalError, match="recompute it with lease_for"):
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("other-00000", 1),)))
+    with pytest.raises(LocalError, match="holds 2"):
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("d-00002", 3),)))
+
+
+def test_plain_text_strips_the_markdown() -> None:
+    markdown = "# Play\n\n## ACT I\n\n_Enter\nHAMLET_\n\n**HAMLET**  \nTo be,  \nor not.\n"
+    assert plain_text(markdown) == "Play\n\nACT I\n\nEnter\nHAMLET\n\nHAMLET\nTo be,\nor not.\n\n"
+
+
+def test_shakespeare_blocks_and_vocabulary() -> None:
+    corpus = load_corpus()
+    assert "**" not in corpus.text and "  \n" not in corpus.text
+    assert corpus.vocab == "".join(sorted(set(corpus.text)))
+    train, val = ShakespeareChars(32, "train"), ShakespeareChars(32, "val")
+    assert train.vocab_size == val.vocab_size == len(corpus.vocab) <= 256
+    blocks = len(corpus.tokens) // 33
+    assert len(train) + len(val) == blocks
+    assert len(val) == round(blocks * 0.1)
+    x, y = train[5]
+    assert x.shape == y.shape == (32,) and x.dtype == torch.int64
+    assert torch.equal(x[1:], y[:-1])
+    assert corpus.decode(torch.cat([x, y[-1:]])) == corpus.text[5 * 33 : 6 * 33]
+    first_val, _ = val[0]
+    assert corpus.decode(first_val) == corpus.text[len(train) * 33 : len(train) * 33 + 32]
+    with pytest.raises(IndexError):
+        train[len(train)]
