@@ -1,0 +1,70 @@
+"""The Python Trainer API against real node processes, and `p2ptrain status` over HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import DataLoader
+
+from p2ptrain.errors import LocalError
+from p2ptrain.torch import Trainer
+from p2ptrain.torch.char_gpt import char_gpt_workload
+from tests.support.local_net import TINY_CONFIG, Net, local_net  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_user_model_trains_through_the_trainer_api(local_net: Net) -> None:  # noqa: F811
+    # The seed and one validator (q = 1) are processes; the trainer is this test's thread.
+    local_net.launch(validators=1, reducers=0, trainers=0, quorum=1, max_updates=1)
+    address = local_net.network.seed.address if local_net.network.seed else None
+    assert address is not None and local_net.network.experiment_id is not None
+    parts = char_gpt_workload(TINY_CONFIG)  # the same model and data a user would build
+    train_loader = DataLoader(parts.train_dataset, batch_size=parts.batch_size, shuffle=True)
+    val_loader = DataLoader(parts.val_dataset, batch_size=64)
+    trainer = Trainer(
+        data_dir=local_net.workdir / "api-trainer",
+        experiment=local_net.network.experiment_id,
+        bootstrap=[address],
+        model=parts.model,
+        optimizer=parts.optimizer,
+        train_loader=train_loader,
+        val_loader=val_loader,
+    )
+    outcomes = list(trainer.run(windows=2))
+    assert [o.height for o in outcomes] == [1, 2]
+    assert all(o.accepted == 1 for o in outcomes)
+    assert outcomes[-1].train_loss is not None and outcomes[-1].bytes_sent > 0
+    # the certified heads are what the seed holds
+    local_net.wait_height("seed", 2, 30)
+    status = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "status", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seed = json.loads(status.stdout)
+    assert seed["height"] >= 2 and seed["roles"] == ["seed"]
+    assert outcomes[-1].head_id in {seed["head_id"], seed["adopted_head_id"]} or seed["height"] > 2
+
+
+def test_a_model_that_is_not_the_experiments_is_refused(local_net: Net) -> None:  # noqa: F811
+    local_net.launch(validators=1, reducers=0, trainers=0, quorum=1, max_updates=1)
+    address = local_net.network.seed.address if local_net.network.seed else None
+    assert address is not None and local_net.network.experiment_id is not None
+    other = char_gpt_workload({**TINY_CONFIG, "n_embd": 48})  # another width
+    trainer = Trainer(
+        data_dir=local_net.workdir / "wrong-trainer",
+        experiment=local_net.network.experiment_id,
+        bootstrap=[address],
+        model=other.model,
+        optimizer=other.optimizer,
+        train_loader=DataLoader(other.train_dataset, batch_size=8),
+        val_loader=DataLoader(other.val_dataset, batch_size=8),
+    )
+    with pytest.raises(LocalError, match="parameter schema"):
+        list(trainer.run(windows=1))
