@@ -245,6 +245,9 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"peers      {status['peers']} known, {status['connections']}")
     if last:
         print(f"last       window {last['height']}: {last['accepted']} accepted ({last['reason']})")
+    open_window = status.get("open_window") or {}
+    if open_window.get("reason"):
+        print(f"open       window {open_window['window']}: {open_window['reason']}")
     for reason in status.get("reasons", []):
         print(f"report     {reason}")
     return 0

@@ -725,12 +725,13 @@ class Node:
         if callable(stats):
             statistics = asdict(stats())
         bytes_sent = 0
-        peers = 0
+        peers = banned = 0
         connections = {"outbound": 0, "inbound": 0}
         if net is not None:
             n = net.statistics()
             bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
-            peers = n.peers.known if hasattr(n.peers, "known") else len(list(net.peers))
+            peers = n.peers.peers
+            banned = n.peers.banned
             connections = {"outbound": n.outbound, "inbound": n.inbound}
         return {
             "peer_id": self.peer_id,
@@ -741,8 +742,14 @@ class Node:
             "head_id": tip.head_id,
             "adopted_head_id": machine.base.head_id,
             "peers": peers,
+            "banned": banned,
             "connections": connections,
             "last_window": self._last_window,
+            # what the open window is doing or why it has no head yet (reducers, validators)
+            "open_window": {
+                "window": tip.head.height + 1,
+                "reason": getattr(machine, "last_reason", None),
+            },
             "reasons": [r["reason"] for r in self._reports[-5:]],
             "reports": list(self._reports),
             "machine": statistics,
