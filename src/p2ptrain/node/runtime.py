@@ -72,6 +72,10 @@ _MAX_EARLY = 4096
 _FETCH_ATTEMPTS = 6
 _MAX_PROVIDERS = 8
 _RECENT_REPORTS = 20
+#: After its last window a serving node stays up until no blob was fetched for this long
+#: (peers fetch the last head's weights), and never longer than the maximum.
+_LINGER_QUIET_S = 3.0
+_LINGER_MAX_S = 30.0
 
 Event = dict[str, Any]
 
@@ -112,6 +116,7 @@ class Node:
         self._on_event = on_event
         self._rng = random.Random()
         self._stop = asyncio.Event()
+        self._target_reached = False
         self._wake = asyncio.Event()
         self._train_ready = asyncio.Event()
         self._pending_train: act.Train | None = None
@@ -230,6 +235,8 @@ class Node:
             net.spawn(self._status_forever(), "status")
             self._check_target()
             await self._stop.wait()
+            if self._target_reached:
+                await self._linger()
             status = self.status()
             self._write_status(status)
         self._emit("stopped", height=self.machine.chain.height)
@@ -586,8 +593,25 @@ class Node:
 
     def _check_target(self) -> None:
         target = self.settings.windows
-        if target is not None and self.machine.chain.height >= target:
+        if target is not None and self.machine.base.head.height >= target:
+            self._target_reached = True
             self._stop.set()
+
+    async def _linger(self) -> None:
+        """The last window is done: peers may still need its head's weights from us, so a
+        node that serves keeps serving until nobody has fetched a blob for a while."""
+        server = self.net.statistics().server
+        if server is None:
+            return
+        started = last_change = time.monotonic()
+        served = server.blobs_served
+        while time.monotonic() - last_change < _LINGER_QUIET_S:
+            if time.monotonic() - started > _LINGER_MAX_S:
+                return
+            await asyncio.sleep(0.25)
+            now_served = self.net.statistics().server
+            if now_served is not None and now_served.blobs_served != served:
+                served, last_change = now_served.blobs_served, time.monotonic()
 
     def _report(self, peer_id: str, reason: str) -> None:
         logger.warning("peer %s: %s", peer_id[:16], reason)
@@ -697,8 +721,11 @@ class Node:
             now = time.monotonic()
             delay = max(0.0, machine.next_wakeup(now) - now)
             self._wake.clear()
+            # not asyncio.wait_for: on 3.11 it can swallow a cancellation that arrives as
+            # the event is set, and the node would never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             self._carry_out(machine.tick(time.monotonic()))
 
     async def _sync_forever(self) -> None:

@@ -183,7 +183,9 @@ class Participant(Follower):
             return []  # stale or replayed: belongs in no cohort, nothing to count
         w.updates[update_id] = Submission(signed.record, update_id, blob)
         w.arrival.append(update_id)
-        if now < w.deadline_at:
+        if now < w.deadline_at or not w.proposals:
+            # after the deadline an update still joins the cohort while nobody has proposed
+            # (a window that had too few updates in time is not stuck for good)
             w.before_deadline = len(w.arrival)
         actions: list[Action] = []
         if now < w.deadline_at and len(w.arrival) >= self.manifest.window.max_updates:
@@ -345,11 +347,13 @@ class Participant(Follower):
 
     def _propose_own(self, now: float) -> list[Action]:
         w = self._window
-        w.proposed = True
         reduction = self._reduce(self._cohort())
         if reduction.head is None or reduction.aggregate_blob is None:
+            # not proposed: tried again as late updates arrive (the reduction of an
+            # unchanged cohort is cached)
             self.last_reason = f"no proposal: {reduction.reason}"
             return []
+        w.proposed = True
         proposal = Proposal(
             experiment_id=self.experiment_id,
             window=w.base.window,

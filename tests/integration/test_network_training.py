@@ -1,0 +1,58 @@
+"""A whole network of real processes on loopback trains a model: a seed, 2 validators
+(quorum 2, no reducer, so the validators propose) and 3 trainers certify windows, the
+certified model's validation loss falls, and every node ends on the same head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.torch.char_gpt import char_gpt_workload
+from tests.support.local_net import (
+    TINY_CONFIG,
+    Net,
+    genesis_and_tip,
+    local_net,
+    stored_chain,
+)
+
+__all__ = ["local_net"]  # the fixture
+
+pytestmark = pytest.mark.integration
+
+WINDOWS = 4
+
+
+def test_the_network_certifies_windows_and_the_loss_falls(local_net: Net) -> None:
+    net = local_net
+    net.launch(validators=2, reducers=0, trainers=3, quorum=2, min_updates=2, windows=WINDOWS)
+    net.finish(timeout_s=60.0)
+
+    chain = [head for head, _certificate in stored_chain(net.data_dir("seed"))]
+    net.check(
+        [head.height for head in chain] == list(range(1, WINDOWS + 1)),
+        f"the seed should keep the heads of heights 1..{WINDOWS}",
+    )
+    net.check(all(len(head.accepted) >= 2 for head in chain), "a head accepts too few updates")
+    tips = {}
+    for name in net.names():
+        head, _certificate = stored_chain(net.data_dir(name))[-1]
+        status = net.status(name)
+        net.check(
+            (status["height"], status["head_id"]) == (head.height, head.id),
+            f"{name}'s status.json and stored chain name other heads",
+        )
+        tips[name] = (head.height, head.id, head.weights_blob)
+    net.check(
+        len(set(tips.values())) == 1 and tips["seed"][0] == WINDOWS,
+        f"every node should end on one head at height {WINDOWS}: {tips}",
+    )
+
+    genesis, height, weights = genesis_and_tip(net.data_dir("seed"))
+    torch.set_num_threads(1)
+    workload = char_gpt_workload(TINY_CONFIG)
+    before, after = workload.evaluate(genesis), workload.evaluate(weights)
+    net.check(
+        after < before - 0.1,
+        f"the validation loss should fall: genesis {before:.4f}, height {height} {after:.4f}",
+    )
