@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from p2ptrain.errors import LocalError
@@ -50,6 +52,21 @@ def test_a_user_model_trains_through_the_trainer_api(local_net: Net) -> None:  #
     seed = json.loads(status.stdout)
     assert seed["height"] >= 2 and seed["roles"] == ["seed"]
     assert outcomes[-1].head_id in {seed["head_id"], seed["adopted_head_id"]} or seed["height"] > 2
+    # the exported checkpoint is the certified model, loadable into the user's model
+    out = local_net.workdir / "export" / "model.safetensors"
+    trainer_dir = str(local_net.workdir / "api-trainer")
+    exported = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "export", "--dir", trainer_dir, "--out", str(out),
+         "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    summary = json.loads(exported.stdout)
+    assert summary["height"] == 2 and summary["head_id"] == outcomes[-1].head_id
+    with safe_open(str(out), framework="pt") as handle:
+        assert handle.metadata()["head_id"] == outcomes[-1].head_id
+    weights = load_file(str(out))
+    _missing, unexpected = parts.model.load_state_dict(weights, strict=False)
+    assert not unexpected and json.loads(out.with_suffix(".json").read_text())["height"] == 2
 
 
 def test_a_model_that_is_not_the_experiments_is_refused(local_net: Net) -> None:  # noqa: F811
