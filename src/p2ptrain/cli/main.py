@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("p2ptrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `p2ptrain status | head`
+        sys.stderr.close()
+        return 0
     return code
 
 

@@ -178,10 +178,28 @@ def run_node_command(args: argparse.Namespace) -> int:
     from p2ptrain.node.launch import run_node
 
     settings = settings_from(args)
-    printer = _json_event if args.json else _human_event
-    status = run_node(settings, on_event=printer)
-    if not args.json:
-        print(f"stopped at height {status['height']} (head {status['head_id'][:12]})")
+    if args.json:
+        run_node(settings, on_event=_json_event)
+        return 0
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=False, highlight=False)
+    columns = [TextColumn("[bold]windows"), BarColumn(), TextColumn("{task.completed}")]
+    if settings.windows is not None:
+        columns.append(TextColumn("/ {task.total}"))
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("windows", total=settings.windows)
+
+        def show(event: dict[str, Any]) -> None:
+            line = _describe_event(event)
+            if line:
+                progress.console.print(line, soft_wrap=True)  # ids stay whole
+            if event["event"] in ("adopted", "ready"):
+                progress.update(task, completed=int(event["height"]))
+
+        status = run_node(settings, on_event=show)
+    console.print(f"stopped at height {status['height']} (head {status['head_id'][:12]})")
     return 0
 
 
@@ -189,31 +207,30 @@ def _json_event(event: dict[str, Any]) -> None:
     print(json.dumps(event, default=str), flush=True)
 
 
-def _human_event(event: dict[str, Any]) -> None:
+def _describe_event(event: dict[str, Any]) -> str | None:
+    """One line for an event worth a line (None for the others)."""
     kind = event["event"]
     stamp = time.strftime("%H:%M:%S")
     if kind == "ready":
         where = event.get("address") or "outbound only"
-        print(
+        return (
             f"{stamp} ready: peer {event['peer_id'][:16]} at {where}; experiment "
-            f"{event['experiment_id']} at height {event['height']}",
-            flush=True,
+            f"{event['experiment_id']} at height {event['height']}"
         )
-    elif kind == "adopted":
-        print(
+    if kind == "adopted":
+        return (
             f"{stamp} window {event['height']} certified: head {event['head_id'][:12]}, "
-            f"{event['accepted']} updates accepted, {event['seconds']:.1f} s ({event['reason']})",
-            flush=True,
+            f"{event['accepted']} updates accepted, {event['seconds']:.1f} s ({event['reason']})"
         )
-    elif kind == "trained":
-        print(
+    if kind == "trained":
+        return (
             f"{stamp} trained window {event['window']}: loss {event['loss_before']:.3f} -> "
             f"{event['loss_after']:.3f} in {event['seconds']:.1f} s, update "
-            f"{event['blob_bytes'] / 1e6:.2f} MB",
-            flush=True,
+            f"{event['blob_bytes'] / 1e6:.2f} MB"
         )
-    elif kind == "reported":
-        print(f"{stamp} peer {event['peer'][:16]} misbehaved: {event['reason']}", flush=True)
+    if kind == "reported":
+        return f"{stamp} [yellow]peer {event['peer'][:16]} misbehaved: {event['reason']}"
+    return None
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -242,7 +259,11 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"address    {status.get('address') or 'outbound only'}")
     print(f"experiment {status['experiment_id']}")
     print(f"height     {status['height']}  head {status['head_id'][:16]}")
-    print(f"peers      {status['peers']} known, {status['connections']}")
+    links = status["connections"]
+    print(
+        f"peers      {status['peers']} known, {status.get('banned', 0)} banned; connections "
+        f"{links['outbound']} out, {links['inbound']} in"
+    )
     if last:
         print(f"last       window {last['height']}: {last['accepted']} accepted ({last['reason']})")
     open_window = status.get("open_window") or {}
