@@ -11,6 +11,7 @@ from p2ptrain.torch.char_gpt import char_gpt_workload
 from tests.support.local_net import (
     TINY_CONFIG,
     Net,
+    check_one_tip,
     genesis_and_tip,
     local_net,
     stored_chain,
@@ -34,19 +35,7 @@ def test_the_network_certifies_windows_and_the_loss_falls(local_net: Net) -> Non
         f"the seed should keep the heads of heights 1..{WINDOWS}",
     )
     net.check(all(len(head.accepted) >= 2 for head in chain), "a head accepts too few updates")
-    tips = {}
-    for name in net.names():
-        head, _certificate = stored_chain(net.data_dir(name))[-1]
-        status = net.status(name)
-        net.check(
-            (status["height"], status["head_id"]) == (head.height, head.id),
-            f"{name}'s status.json and stored chain name other heads",
-        )
-        tips[name] = (head.height, head.id, head.weights_blob)
-    net.check(
-        len(set(tips.values())) == 1 and tips["seed"][0] == WINDOWS,
-        f"every node should end on one head at height {WINDOWS}: {tips}",
-    )
+    check_one_tip(net, WINDOWS)
 
     genesis, height, weights = genesis_and_tip(net.data_dir("seed"))
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ import pytest
 
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, Proposal, Update
-from tests.support.local_net import Net, new_net, stored_chain, stored_records
+from tests.support.local_net import Net, check_one_tip, new_net, stored_chain, stored_records
 
 pytestmark = pytest.mark.integration
 
@@ -220,19 +220,7 @@ def test_a_killed_trainer_does_not_stop_the_network(story: Story) -> None:
 def test_restarted_nodes_rejoin_and_every_node_ends_on_the_same_head(story: Story) -> None:
     story.play("end")
     net, height = story.net, story.height
-    tips = {}
-    for name in net.names():
-        head, _certificate = stored_chain(net.data_dir(name))[-1]
-        status = net.status(name)
-        net.check(
-            (status["height"], status["head_id"]) == (head.height, head.id),
-            f"{name}'s status.json and stored chain name other heads",
-        )
-        tips[name] = (head.height, head.id, head.weights_blob)
-    net.check(
-        len(set(tips.values())) == 1 and tips["seed"][0] == height,
-        f"every node should end on one head (and weights) at height {height}: {tips}",
-    )
+    check_one_tip(net, height)
     # the restarted trainer trained again: heads after its restart accept its updates
     trainer = net.peer_ids["trainer-0"]
     updates = stored_records(net.data_dir("seed"), "update", Update)

@@ -46,6 +46,7 @@ from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 __all__ = [
     "TINY_CONFIG",
     "Net",
+    "check_one_tip",
     "genesis_and_tip",
     "local_net",
     "stored_chain",
@@ -383,6 +384,25 @@ def stored_records(data_dir: Path, kind: str, record_type: type[R]) -> dict[str,
     with StateStore(data_dir / "node.db") as state:
         rows = state.records(kind)
     return {record_id: open_envelope(raw, record_type).record for record_id, raw in rows}
+
+
+def check_one_tip(net: Net, height: int) -> dict[str, tuple[int, str, str]]:
+    """Every node's stored tip agrees with its status.json, and all nodes end on one head
+    (and weights) at ``height``; returns each node's (height, head id, weights blob)."""
+    tips = {}
+    for name in net.names():
+        head, _certificate = stored_chain(net.data_dir(name))[-1]
+        status = net.status(name)
+        net.check(
+            (status["height"], status["head_id"]) == (head.height, head.id),
+            f"{name}'s status.json and stored chain name other heads",
+        )
+        tips[name] = (head.height, head.id, head.weights_blob)
+    net.check(
+        len(set(tips.values())) == 1 and tips["seed"][0] == height,
+        f"every node should end on one head (and weights) at height {height}: {tips}",
+    )
+    return tips
 
 
 def genesis_and_tip(data_dir: Path) -> tuple[dict[str, torch.Tensor], int, dict[str, torch.Tensor]]:

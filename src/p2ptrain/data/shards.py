@@ -47,15 +47,24 @@ class MapDataset(Protocol):
     def __getitem__(self, index: int) -> object: ...
 
 
+def number_tensor(value: object) -> torch.Tensor | None:
+    """``value`` as a tensor when it is a Python bool, int or float (bool, int64, float64),
+    else None."""
+    if isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.bool)
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    return None
+
+
 def _as_tensor(part: object, index: int) -> torch.Tensor:
     if isinstance(part, torch.Tensor):
         return part
-    if isinstance(part, bool):
-        return torch.tensor(part, dtype=torch.bool)
-    if isinstance(part, int):
-        return torch.tensor(part, dtype=torch.int64)
-    if isinstance(part, float):
-        return torch.tensor(part, dtype=torch.float64)
+    number = number_tensor(part)
+    if number is not None:
+        return number
     raise LocalError(
         f"sample {index} holds a {type(part).__name__}; a sharded dataset must return tensors, "
         "numbers, or tuples of them from __getitem__ (convert it in the dataset)"

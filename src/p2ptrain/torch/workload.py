@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
 from p2ptrain.core.manifests import DatasetManifest
-from p2ptrain.data.shards import MapDataset, dataset_manifest
+from p2ptrain.data.shards import MapDataset, dataset_manifest, number_tensor
 from p2ptrain.errors import LocalError
 
 __all__ = [
@@ -408,12 +408,9 @@ class TorchWorkload:
 def _state_tensor(name: str, key: str, value: object) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True).contiguous()
-    if isinstance(value, bool):
-        return torch.tensor(value)
-    if isinstance(value, int):
-        return torch.tensor(value, dtype=torch.int64)
-    if isinstance(value, float):
-        return torch.tensor(value, dtype=torch.float64)
+    number = number_tensor(value)
+    if number is not None:
+        return number
     raise LocalError(
         f"optimizer state {name}/{key} is a {type(value).__name__}, which cannot be saved as "
         "a tensor; use an optimizer whose state is tensors and numbers"
