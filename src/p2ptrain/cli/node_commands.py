@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import tomllib
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.setup import NodeSettings
+from p2ptrain.node.setup import NodeSettings, new_secret
 
 _NODE_COMMANDS = {
     "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
@@ -131,9 +132,24 @@ def _listen(text: str | None) -> tuple[str | None, int]:
     return host.strip("[]"), int(port)
 
 
-def _secret(path: str | None) -> bytes | None:
+def _secret(path: str | None, *, create: bool = False) -> bytes | None:
+    """The network secret in ``path``; a seed (``create``) writes a new one when the file
+    does not exist yet."""
     if path is None:
         return None
+    if create and not Path(path).exists():
+        secret = new_secret()
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(secret.hex() + "\n")
+        except OSError as exc:
+            raise LocalError(f"cannot write a new network secret to {path}: {exc}") from exc
+        print(
+            f"wrote a new network secret to {path}: copy it to every node (--secret-file)",
+            file=sys.stderr,
+        )
+        return secret
     try:
         text = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -166,7 +182,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         port=port,
         advertise=tuple(pick("advertise", [])),
         relay=pick("relay"),
-        secret=_secret(pick("secret_file")),
+        secret=_secret(pick("secret_file"), create=args.role == "seed"),
         network_name=pick("network_name", "p2ptrain"),
         windows=pick("windows"),
         threads=int(pick("threads", 1)),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
-__all__ = ["ROLES", "NodeSettings", "Prepared", "prepare"]
+__all__ = ["ROLES", "NodeSettings", "Prepared", "new_secret", "prepare"]
 
 ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
 _MAX_GENESIS_BYTES = 4 << 30
@@ -72,7 +72,6 @@ class NodeSettings:
     sync_interval_s: float = 2.0
     #: Seconds a blob fetch waits for bytes before failing over.
     fetch_timeout_s: float = 30.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
