@@ -1,4 +1,5 @@
-"""The Python Trainer API against real node processes, and `p2ptrain status` over HTTP."""
+"""The Python Trainer API against real node processes; `p2ptrain status` over HTTP and
+`export`; a private network."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.local_network import experiment_toml
 from p2ptrain.torch import Trainer
 from p2ptrain.torch.char_gpt import char_gpt_workload
-from tests.support.local_net import TINY_CONFIG, Net, local_net  # noqa: F401
+from tests.support.local_net import (  # noqa: F401
+    DEADLINE_S,
+    INNER_STEPS,
+    PROPOSAL_S,
+    TINY_CONFIG,
+    Net,
+    local_net,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -85,3 +94,36 @@ def test_a_model_that_is_not_the_experiments_is_refused(local_net: Net) -> None:
     )
     with pytest.raises(LocalError, match="parameter schema"):
         list(trainer.run(windows=1))
+
+
+def test_a_private_network_admits_only_nodes_with_its_secret(local_net: Net) -> None:  # noqa: F811
+    net = local_net
+    secret = net.workdir / "net.secret"  # the seed writes a new one
+    toml = experiment_toml(
+        validators=[net.network.identity("validator-0")],
+        reducers=[],
+        quorum=1,
+        workload={"name": "char-gpt", "config": TINY_CONFIG},
+        inner_steps=INNER_STEPS,
+        deadline_s=DEADLINE_S,
+        proposal_s=PROPOSAL_S,
+        min_updates=1,
+        max_updates=1,
+    )
+    path = net.network.write_experiment(toml)
+    net.start("seed", "seed", args=["--experiment-toml", str(path), "--secret-file", str(secret)])
+    net.wait_ready(["seed"])
+    assert secret.stat().st_mode & 0o777 == 0o600
+    net.start("validator-0", "validator", args=["--secret-file", str(secret)])
+    net.start("trainer-0", "trainer", windows=2, args=["--secret-file", str(secret)])
+    net.wait_ready(["validator-0", "trainer-0"])
+    net.wait_height("seed", 2, 60)
+    seed = net.network.seed
+    assert seed is not None and seed.address is not None and net.network.experiment_id
+    outsider = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "train", "--dir", str(net.workdir / "outsider"),
+         "--bootstrap", seed.address, "--experiment", net.network.experiment_id],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert outsider.returncode == 2, outsider.stderr
+    assert "give this node its network secret" in outsider.stderr
