@@ -43,7 +43,7 @@ from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import peer_id_of
-from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.core.records import Attestation, Head, PeerRecord, Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
@@ -395,7 +395,9 @@ class Node:
                 await asyncio.sleep(0.5 * 2**attempt)
                 continue
             except ProtocolViolation as exc:
-                self._report(update.trainer_id, f"update blob: {exc}")
+                # nobody served bytes with the update's hash; a provider proven wrong was
+                # reported by the fetcher, and the trainer may be honest (its blob lost)
+                logger.warning("update %s: no good blob: %s", signed.record_id[:12], exc)
                 return
             self._carry_out(machine.receive_update(time.monotonic(), signed, blob))
             return
@@ -404,27 +406,31 @@ class Node:
         """Updates a proposal names that we lack: records by id, then their blobs."""
         proposer = peer_id_of(action.peer)
         for update_id in action.update_ids:
-            raw = self.store.record(update_id)
-            if raw is None:
-                for address in self._providers([proposer]):
-                    try:
-                        raw = await self.net.client.record(address, update_id)
-                        break
-                    except (TransportError, ProtocolViolation) as exc:
-                        logger.info("record %s from %s: %s", update_id[:12], address, exc)
-            if raw is None:
+            signed = await self._fetch_update_record(update_id, proposer)
+            if signed is None:
                 logger.warning("nobody served update %s named by a proposal", update_id[:12])
-                continue
-            try:
-                signed = open_envelope(raw, Update)
-            except ProtocolViolation as exc:
-                self._report(proposer, f"served a bad update record: {exc}")
-                continue
-            if signed.record_id != update_id:
-                self._report(proposer, "served another record than the update asked for")
                 continue
             self._remember(signed, "update", signed.record.window)
             await self._fetch_update(signed)
+
+    async def _fetch_update_record(self, update_id: str, proposer: str) -> Signed[Update] | None:
+        """The signed update ``update_id``, from our store or a peer (the proposer first);
+        a peer that serves anything else is reported."""
+        raw = self.store.record(update_id)
+        if raw is not None:
+            return open_envelope(raw, Update)
+        for address in self._providers([proposer]):
+            try:
+                raw = await self.net.client.record(address, update_id)
+                signed = open_envelope(raw, Update)
+                if signed.record_id != update_id:
+                    raise ProtocolViolation(f"asked for update {update_id[:12]}, got another")
+                return signed
+            except TransportError as exc:
+                logger.info("record %s from %s: %s", update_id[:12], address, exc)
+            except ProtocolViolation as exc:
+                self._blame(address, f"served a bad update record: {exc}")
+        return None
 
     async def _fetch_state(self, action: act.FetchState) -> None:
         head, head_id = action.head, action.head_id
@@ -486,11 +492,16 @@ class Node:
                 )
                 return
 
-    def _key_at(self, address: str) -> bytes:
+    def _record_at(self, address: str) -> PeerRecord | None:
+        """The signed record of the peer that advertises ``address``, if we know it."""
         for signed in self.net.peers:
             if address in signed.record.addresses:
-                return signed.record.public_key
-        return self.identity.public_key
+                return signed.record
+        return None
+
+    def _key_at(self, address: str) -> bytes:
+        record = self._record_at(address)
+        return self.identity.public_key if record is None else record.public_key
 
     # -- carrying out the machine's actions -----------------------------------------------
 
@@ -621,11 +632,15 @@ class Node:
         self._emit("reported", peer=peer_id, reason=reason)
 
     def _bad_provider(self, address: str, reason: str) -> None:
-        for signed in self.net.peers:
-            if address in signed.record.addresses:
-                self._report(signed.record.peer_id, f"served a bad blob: {reason}")
-                return
-        logger.warning("provider %s served a bad blob: %s", address, reason)
+        self._blame(address, f"served a bad blob: {reason}")
+
+    def _blame(self, address: str, reason: str) -> None:
+        """Report the peer at ``address`` (by its signed record), or log the address."""
+        record = self._record_at(address)
+        if record is None:
+            logger.warning("%s %s", address, reason)
+        else:
+            self._report(record.peer_id, reason)
 
     # -- the trainer ----------------------------------------------------------------------
 
