@@ -747,8 +747,10 @@ class Node:
         """Missed a certificate (or restarted)? Ask a peer now and then whether the chain
         moved past us; answers are verified link by link."""
         while True:
-            with contextlib.suppress(TransportError):
-                await self._catch_up()
+            providers = self._providers()
+            if providers:
+                with contextlib.suppress(TransportError):
+                    await self._catch_up(self._rng.choice(providers))
             await asyncio.sleep(self.settings.sync_interval_s * (0.75 + self._rng.random() / 2))
 
     async def _status_forever(self) -> None:
