@@ -1,5 +1,5 @@
 """The Python Trainer API against real node processes; `p2ptrain status` over HTTP and
-`export`; a private network."""
+`export`; a private network, with a viewer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.export import canonical_weights
 from p2ptrain.node.local_network import experiment_toml
 from p2ptrain.torch import Trainer
 from p2ptrain.torch.char_gpt import char_gpt_workload
@@ -116,8 +117,14 @@ def test_a_private_network_admits_only_nodes_with_its_secret(local_net: Net) -> 
     assert secret.stat().st_mode & 0o777 == 0o600
     net.start("validator-0", "validator", args=["--secret-file", str(secret)])
     net.start("trainer-0", "trainer", windows=2, args=["--secret-file", str(secret)])
-    net.wait_ready(["validator-0", "trainer-0"])
+    # a viewer follows the chain and keeps the canonical model, serving nothing
+    net.start("viewer-0", "viewer", windows=2, args=["--secret-file", str(secret)])
+    net.wait_ready(["validator-0", "trainer-0", "viewer-0"])
     net.wait_height("seed", 2, 60)
+    net.wait_exits(["viewer-0"], 60)
+    manifest, _experiment, height, head_id, _weights = canonical_weights(net.data_dir("viewer-0"))
+    assert height == 2 and net.status("viewer-0")["address"] is None
+    assert net.status("seed")["head_id"] == head_id and manifest.quorum == 1  # one chain
     seed = net.network.seed
     assert seed is not None and seed.address is not None and net.network.experiment_id
     outsider = subprocess.run(

@@ -1,4 +1,4 @@
-"""``p2ptrain seed | train | validate | reduce | status | export``: running nodes.
+"""``p2ptrain seed | train | validate | reduce | view | status | export``: running nodes.
 
 Each node command takes its settings from an optional TOML file (``--config``; keys are the
 flag names with ``_`` for ``-``, e.g. ``bootstrap = ["http://seed:7700"]``) and from flags,
@@ -26,6 +26,7 @@ _NODE_COMMANDS = {
     "train": ("trainer", "train windows of an experiment and publish updates"),
     "validate": ("validator", "re-check every window and attest the next canonical head"),
     "reduce": ("reducer", "aggregate each window's updates and propose the next head"),
+    "view": ("viewer", "follow the certified chain and keep the canonical model (to export)"),
 }
 _CONFIG_KEYS = {
     "dir",

@@ -29,7 +29,13 @@ from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
 __all__ = ["LocalNetwork", "NodeProcess", "experiment_toml"]
 
-_ROLE_COMMAND = {"seed": "seed", "trainer": "train", "validator": "validate", "reducer": "reduce"}
+_ROLE_COMMAND = {
+    "seed": "seed",
+    "trainer": "train",
+    "validator": "validate",
+    "reducer": "reduce",
+    "viewer": "view",
+}
 
 
 @dataclass
@@ -156,7 +162,7 @@ class LocalNetwork:
         command = [self.python, "-m", "p2ptrain", _ROLE_COMMAND[role], "--json"]
         command += ["--dir", str(self.workdir / name)]
         if listen is None:
-            listen = role != "trainer"
+            listen = role not in ("trainer", "viewer")
         command += ["--listen", "127.0.0.1:0" if listen else "none"]
         if role != "seed":
             if self.seed is None or self.seed.address is None or self.experiment_id is None:
