@@ -144,7 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if summary["windows_certified"] >= args.windows else 1
 
 
-def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> dict[str, Any]:
+def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> None:
     """Show progress until the seed adopts ``windows`` heads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -190,7 +190,6 @@ def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> di
                 )
             elif kind == "exited" and name == "seed":
                 raise LocalError(f"the seed exited; see {network.nodes['seed'].log}")
-    return {"height": reached[0]}
 
 
 def _summarise(

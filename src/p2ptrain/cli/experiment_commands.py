@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from p2ptrain.core.envelope import open_envelope, seal
 from p2ptrain.core.experiment_config import experiment_from_toml
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.keyfile import load_identity
 
@@ -63,19 +63,6 @@ def _read(path: str) -> bytes:
         raise LocalError(f"cannot read {path}: {exc.strerror}") from exc
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        raise LocalError(f"cannot write {path}: {exc.strerror}") from exc
-
-
 def run_create(args: argparse.Namespace) -> int:
     try:
         text = _read(args.toml).decode("utf-8")
@@ -92,7 +79,7 @@ def run_create(args: argparse.Namespace) -> int:
     signed = seal(identity, manifest)
     data = signed.envelope.encode()
     out = Path(args.out) if args.out else Path(args.toml).with_suffix(".experiment")
-    _write_atomically(out, data)
+    write_atomically(out, data)
     with DataDir(args.dir) as store:
         store.state.put_record(
             signed.record_id,

@@ -38,16 +38,28 @@ def _public_keys(raw: object, field: str = "validators") -> list[bytes]:
     return sorted(keys)
 
 
+def parse_experiment_toml(text: str) -> dict[str, Any]:
+    """The tables of an experiment definition, before validation."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LocalError(f"the experiment file is not valid TOML: {exc}") from exc
+
+
 def experiment_from_toml(
     text: str, authority: bytes, fill: Mapping[str, Any] | None = None
 ) -> ExperimentManifest:
-    """Parse and validate an experiment definition; ``authority`` is the signer's key.
-    ``fill`` supplies top-level keys (and keys of tables) the file leaves out, e.g. the
-    dataset, schema hash and genesis weights a registered workload computes."""
-    try:
-        raw: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise LocalError(f"the experiment file is not valid TOML: {exc}") from exc
+    """Parse and validate an experiment definition; ``authority`` is the signer's key."""
+    return experiment_from_tables(parse_experiment_toml(text), authority, fill)
+
+
+def experiment_from_tables(
+    tables: Mapping[str, Any], authority: bytes, fill: Mapping[str, Any] | None = None
+) -> ExperimentManifest:
+    """Validate a parsed experiment definition. ``fill`` supplies top-level keys (and keys
+    of tables) the definition leaves out, e.g. the dataset, schema hash and genesis weights
+    a registered workload computes."""
+    raw = dict(tables)
     for key, value in (fill or {}).items():
         if key not in raw:
             raw[key] = value

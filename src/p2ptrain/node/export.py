@@ -9,13 +9,12 @@ experiment's training settings and the same ids go to a JSON file beside it.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.manifests import ExperimentManifest
@@ -23,6 +22,7 @@ from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 
 __all__ = ["canonical_weights", "export_checkpoint"]
@@ -84,18 +84,9 @@ def export_checkpoint(data_dir: Path, out: Path) -> dict[str, Any]:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     config_path = out.with_suffix(".json")
-    temporary = out.with_name(f".{out.name}.tmp")
-    try:
-        save_file(
-            {name: t.contiguous() for name, t in weights.items()},
-            str(temporary),
-            metadata=metadata,
-        )
-        os.replace(temporary, out)
-        config_path.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        raise LocalError(f"cannot write the checkpoint {out}: {exc.strerror}") from exc
+    tensors = {name: t.contiguous() for name, t in weights.items()}
+    write_atomically(out, save(tensors, metadata=metadata))
+    write_atomically(config_path, (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
     return {
         "checkpoint": str(out),
         "config": str(config_path),

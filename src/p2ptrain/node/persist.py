@@ -20,18 +20,18 @@ leaves a state the node can resume from.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import decode, encode
 from p2ptrain.core.records import Head
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 
 __all__ = ["TRAINER_STATE_FILE", "NodeStore"]
@@ -128,13 +128,8 @@ class NodeStore:
     def save_trainer_state(
         self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     ) -> None:
-        path = self.trainer_state_path()
-        temporary = path.with_name(f".{path.name}.tmp")
         contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        save_file(contiguous, str(temporary), metadata=dict(metadata))
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        write_atomically(self.trainer_state_path(), save(contiguous, metadata=dict(metadata)))
 
     def load_trainer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         """Our own file, written by :meth:`save_trainer_state` (never bytes from a peer)."""

@@ -59,6 +59,7 @@ from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.store.atomic import write_atomically
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["Node", "experiment_topic", "window_seed"]
@@ -107,7 +108,6 @@ class Node:
         self.identity = prepared.identity
         self.peer_id = prepared.identity.peer_id
         self.network = prepared.network
-        self.signed_experiment = prepared.experiment
         self.manifest = prepared.experiment.record
         self.experiment_id = prepared.experiment.record_id
         self.topic = experiment_topic(self.experiment_id)
@@ -803,13 +803,11 @@ class Node:
         }
 
     def _write_status(self, status: Event) -> None:
-        path = self.settings.data_dir / STATUS_FILE
-        temporary = path.with_name(f".{path.name}.tmp")
         try:
-            temporary.write_text(json.dumps(status, indent=1, default=str))
-            os.replace(temporary, path)
-        except OSError as exc:
-            logger.warning("cannot write %s: %s", path, exc)
+            data = json.dumps(status, indent=1, default=str).encode()
+            write_atomically(self.settings.data_dir / STATUS_FILE, data)
+        except LocalError as exc:
+            logger.warning("%s", exc)
 
     def _answer_status(self, target: str) -> Answer:
         body = json.dumps(self.status(), default=str).encode()

@@ -17,7 +17,6 @@ Three ways in, tried in this order:
 from __future__ import annotations
 
 import secrets
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, open_envelope, seal
-from p2ptrain.core.experiment_config import experiment_from_toml
+from p2ptrain.core.experiment_config import experiment_from_tables, parse_experiment_toml
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
@@ -42,6 +41,7 @@ __all__ = ["ROLES", "NodeSettings", "Prepared", "new_secret", "prepare"]
 
 ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
 _MAX_GENESIS_BYTES = 4 << 30
+_MANIFEST_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ExperimentManifest)}
 
 
 @dataclass(frozen=True)
@@ -155,18 +155,14 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
         secret_check=None if settings.secret is None else secret_check(settings.secret),
     )
     signed_network = seal(identity, network)
-    # Parse once to learn the workload, then fill in what it computes.
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise LocalError(f"{path} is not valid TOML: {exc}") from exc
+    raw = parse_experiment_toml(text)
     spec = raw.get("workload")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise LocalError(f'{path}: [workload] needs a name (e.g. name = "char-gpt")')
     workload = make_workload(spec["name"], spec.get("config", {}))
     genesis = workload.initial_weights()
     genesis_blob = bytes(encode_state_dict(genesis))
-    inner_steps = int(raw.get("inner_steps", 50))
+    inner_steps = int(raw.get("inner_steps", _MANIFEST_DEFAULTS["inner_steps"]))
     fill: dict[str, Any] = {
         "network_id": signed_network.record_id,
         "workload": {"schema_hash": schema_hash(genesis)},
@@ -174,7 +170,7 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
         "genesis_weights": sha256_hex(genesis_blob),
         "lease_size": inner_steps * workload.batch_size,
     }
-    manifest = experiment_from_toml(text, identity.public_key, fill)
+    manifest = experiment_from_tables(raw, identity.public_key, fill)
     if manifest.network_id != signed_network.record_id:
         raise LocalError(
             f"{path}: network_id is set to another network; leave it out and the seed fills "
