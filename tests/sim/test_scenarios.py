@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.aggregate.attacks import ATTACKS
 from p2ptrain.errors import LocalError
+from p2ptrain.sim.attacks import ATTACKS
 from p2ptrain.sim.run import simulate
 from p2ptrain.sim.scenario import Crash, Partitioned, Scenario, SlowLink
 

@@ -26,6 +26,7 @@ from p2ptrain.aggregate.exact import CHUNK
 from p2ptrain.aggregate.outer import OuterNesterov, OuterSGD
 from p2ptrain.aggregate.rules import make_rule, rule_names
 from p2ptrain.core.manifests import AggregationSpec, ConfigValue
+from p2ptrain.store.kernel_build import ensure_kernel
 
 SEED = 20_240_611
 LENGTH = 3 * CHUNK + 17
@@ -176,6 +177,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    ensure_kernel()  # as a node does: the C kernel where it builds
     text = json.dumps(all_hashes(args.seed), indent=2, sort_keys=True) + "\n"
     if args.write:
         args.write.write_text(text)

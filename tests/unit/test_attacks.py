@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.aggregate.attacks import ATTACKS, AttackContext, alie_z, attack_named
 from p2ptrain.errors import LocalError
+from p2ptrain.sim.attacks import ATTACKS, AttackContext, alie_z, attack_named
 
 SEED = 7
 

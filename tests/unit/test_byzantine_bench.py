@@ -8,12 +8,12 @@ import pytest
 
 from p2ptrain.bench.byzantine import (
     ByzantineConfig,
-    load_digits_split,
     run_byzantine_benchmark,
     train_run,
     write_heatmap,
 )
 from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
+from p2ptrain.data.digits import load_digits_split
 
 SEED = 3
 CONFIG = ByzantineConfig(rounds=12, seed=SEED)

@@ -1,5 +1,6 @@
-"""The C kernel of the weighted pass (``p2ptrain.aggregate.native``) gives the bits of the
-torch code it replaces, and a machine that cannot build it falls back to that code."""
+"""The C kernel of the weighted pass (``p2ptrain.aggregate.native``, built by
+``p2ptrain.store.kernel_build``) gives the bits of the torch code it replaces, and a machine
+that cannot build it, or a process that installs none, falls back to that code."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from p2ptrain.aggregate.exact import CHUNK
 from p2ptrain.aggregate.rules import make_rule, rule_names
 from p2ptrain.aggregate.rules_basic import TrimmedSpans, WeightedSpans, Workspace, stream_pass
 from p2ptrain.core.manifests import AggregationSpec
+from p2ptrain.store import kernel_build
 from tests.support.bit_exact_child import SEED, adversarial_vectors
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
@@ -113,10 +115,12 @@ def test_trimmed_kernel_and_torch_give_the_same_bits_and_counts(
 
 @pytest.fixture
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The build's loader installed afresh (installing forgets the loaded library), with an
+    empty cache; afterwards it is installed again, to load the cached kernel for the rest."""
     monkeypatch.setenv("P2PTRAIN_CACHE", str(tmp_path))
-    native._library.cache_clear()
+    native.install_kernel(kernel_build.load_kernel)
     yield
-    native._library.cache_clear()
+    native.install_kernel(kernel_build.load_kernel)
 
 
 @pytest.mark.usefixtures("fresh_library")
@@ -124,7 +128,7 @@ def test_a_failing_compiler_falls_back_to_torch_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "false")  # exists, always fails
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
+    with caplog.at_level(logging.WARNING, logger=kernel_build.__name__):
         assert not native.available()
     assert "could not build the aggregation kernel" in caplog.text
     assert "P2PTRAIN_NATIVE=0" in caplog.text
@@ -137,3 +141,31 @@ def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv("P2PTRAIN_NATIVE", "0")
     assert not native.available()
     assert not any(tmp_path.iterdir()), "nothing is built when the kernel is off"
+
+
+def test_without_an_installed_kernel_every_pass_takes_the_torch_path() -> None:
+    loader = native.installed_loader()
+    native.install_kernel(None)
+    try:
+        assert not native.available()
+        vectors = adversarial_vectors(SEED, count=2, length=CHUNK + 9)
+        assert len(_pass(vectors, [0, 1], [0.5, 0.5])[1]) == 4
+        kernel_build.ensure_kernel()
+        assert native.installed_loader() is kernel_build.load_kernel
+    finally:
+        native.install_kernel(loader)
+
+
+def test_ensure_kernel_keeps_an_installed_loader() -> None:
+    loader = native.installed_loader()
+
+    def no_library() -> None:
+        return None
+
+    native.install_kernel(no_library)
+    try:
+        kernel_build.ensure_kernel()
+        assert native.installed_loader() is no_library
+        assert not native.available()
+    finally:
+        native.install_kernel(loader)

@@ -14,10 +14,10 @@ from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.store.state import (
     DB_FILENAME,
     SCHEMA_VERSION,
-    CertifiedHead,
     ConflictingCertifiedHead,
     StateStore,
     StateStoreStatistics,
+    StoredCertifiedHead,
 )
 
 SEED = 99_173
@@ -188,7 +188,7 @@ def test_put_record_checks_its_arguments(
 def test_certified_head_round_trip(state: StateStore) -> None:
     cert = certificate(state, "cert-5")
     assert state.put_certified_head("exp", 5, "head-5", cert)
-    assert state.certified_head("exp", 5) == CertifiedHead("exp", 5, "head-5", "cert-5")
+    assert state.certified_head("exp", 5) == StoredCertifiedHead("exp", 5, "head-5", "cert-5")
     assert state.certified_head("exp", 6) is None
     assert state.certified_head("other", 5) is None
 
@@ -205,9 +205,9 @@ def test_conflicting_certified_head_is_refused(state: StateStore) -> None:
     with pytest.raises(ConflictingCertifiedHead, match="safety violation") as caught:
         state.put_certified_head("exp", 5, "evil-head", certificate(state, "cert-b"))
     assert isinstance(caught.value, ProtocolViolation)
-    assert caught.value.existing == CertifiedHead("exp", 5, "head-5", "cert-a")
+    assert caught.value.existing == StoredCertifiedHead("exp", 5, "head-5", "cert-a")
     assert caught.value.head_id == "evil-head"
-    assert state.certified_head("exp", 5) == CertifiedHead("exp", 5, "head-5", "cert-a")
+    assert state.certified_head("exp", 5) == StoredCertifiedHead("exp", 5, "head-5", "cert-a")
     assert state.statistics().conflicting_heads_refused == 1
     # Another experiment may certify anything at the same height.
     assert state.put_certified_head("exp2", 5, "evil-head", "cert-b")
@@ -224,7 +224,7 @@ def test_latest_certified_head(state: StateStore) -> None:
     for height in (3, 10, 7):
         state.put_certified_head("exp", height, f"h{height}", certificate(state, f"c{height}"))
     state.put_certified_head("other", 99, "h99", certificate(state, "c99"))
-    assert state.latest_certified_head("exp") == CertifiedHead("exp", 10, "h10", "c10")
+    assert state.latest_certified_head("exp") == StoredCertifiedHead("exp", 10, "h10", "c10")
 
 
 # -- meta ---------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_reopen_persists_everything(db_path: Path) -> None:
         state.set_meta("k", b"v")
     with StateStore(db_path) as reopened:
         assert reopened.get_record("r") == b"env"
-        assert reopened.latest_certified_head("e") == CertifiedHead("e", 1, "head", "cert")
+        assert reopened.latest_certified_head("e") == StoredCertifiedHead("e", 1, "head", "cert")
         assert reopened.get_meta("k") == b"v"
         with pytest.raises(ConflictingCertifiedHead):
             reopened.put_certified_head("e", 1, "other", "cert")

@@ -38,8 +38,8 @@ from p2ptrain.aggregate.cohort import (
 )
 from p2ptrain.aggregate.rules_basic import (
     RuleBase,
+    RuleVerdict,
     TrimmedSpans,
-    Verdict,
     Workspace,
     check_float_setting,
     result,
@@ -135,7 +135,7 @@ class Mean(RuleBase[MeanConfig], config=MeanConfig):
             self._workspace,
             out=out,
         )
-        verdicts = [Verdict(SELECTED, f"weight share {c:.6g}") for c in coefficients]
+        verdicts = [RuleVerdict(SELECTED, f"weight share {c:.6g}") for c in coefficients]
         reason = f"mean: weighted mean of {len(ordered)} updates"
         return result(
             ordered,
@@ -162,7 +162,7 @@ def _trimmed(
     aggregate, squares = stream_pass(vectors, combiner, workspace, out=out)
     length = max(1, aggregate.numel())
     verdicts = [
-        Verdict(TRIMMED, f"dropped {count / length:.6g} of coordinates ({count})")
+        RuleVerdict(TRIMMED, f"dropped {count / length:.6g} of coordinates ({count})")
         for count in combiner.dropped.tolist()
     ]
     return result(

@@ -434,7 +434,7 @@ def no_aggregate(
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class RuleVerdict:
     """What a rule did with one contribution: its status and a human-readable detail."""
 
     status: str
@@ -447,7 +447,7 @@ def result(
     *,
     aggregate: torch.Tensor,
     squares: Sequence[float],
-    verdicts: Sequence[Verdict],
+    verdicts: Sequence[RuleVerdict],
     reason: str,
 ) -> AggregationResult:
     """An aggregate with one diagnostic per update; distances are the square roots of the

@@ -27,8 +27,8 @@ from p2ptrain.aggregate.rules_basic import (
     SPAN,
     RowSums,
     RuleBase,
+    RuleVerdict,
     TrimmedSpans,
-    Verdict,
     Workspace,
     check_float_setting,
     check_int_setting,
@@ -115,7 +115,7 @@ class Krum(RuleBase[KrumConfig], config=KrumConfig):
             vectors, chosen, [ordered[i].weight for i in chosen], self._workspace, out=out
         )
         verdicts = [
-            Verdict(
+            RuleVerdict(
                 SELECTED if rank[i] < m else EXCLUDED,
                 f"score {scores[i]:.6g}, rank {rank[i] + 1} of {n}",
             )
@@ -253,7 +253,9 @@ class CenteredClip(RuleBase[CenteredClipConfig], config=CenteredClipConfig):
             )
             distances = [math.sqrt(d) for d in squares]
         verdicts = [
-            Verdict(CLIPPED, f"scale {s:.6g}") if s < 1.0 else Verdict(SELECTED, "not clipped")
+            RuleVerdict(CLIPPED, f"scale {s:.6g}")
+            if s < 1.0
+            else RuleVerdict(SELECTED, "not clipped")
             for s in scales
         ]
         clipped = sum(s < 1.0 for s in scales)
@@ -324,7 +326,7 @@ class GeometricMedian(RuleBase[GeometricMedianConfig], config=GeometricMedianCon
             f"geometric_median: {'converged' if converged else 'stopped'} after {steps} "
             f"Weiszfeld steps (last movement {movement:.3g}, tolerance {config.tolerance})"
         )
-        verdicts = [Verdict(SELECTED, f"weight share {c:.6g}") for c in coefficients]
+        verdicts = [RuleVerdict(SELECTED, f"weight share {c:.6g}") for c in coefficients]
         aggregate = buffers.finish(z)
         return result(
             ordered,

@@ -34,7 +34,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class ScreeningVerdict:
     """Whether one update passed screening, why, and the figures behind it."""
 
     update_id: str
@@ -49,7 +49,7 @@ class Verdict:
 class ScreeningOutcome:
     """Verdicts in update-id order, and the cohort split for an aggregation rule."""
 
-    verdicts: tuple[Verdict, ...]
+    verdicts: tuple[ScreeningVerdict, ...]
     contributions: tuple[Contribution, ...]
     failures: tuple[Failure, ...]
 
@@ -77,12 +77,12 @@ def screen_cohort(
 ) -> ScreeningOutcome:
     """Screen a window's updates; the outcome does not depend on the order of ``candidates``."""
     ordered = sorted(candidates, key=lambda c: c.update_id)
-    verdicts: dict[str, Verdict] = {}
+    verdicts: dict[str, ScreeningVerdict] = {}
     vectors: dict[str, torch.Tensor] = {}
     for candidate in ordered:
         problem = check_structure(candidate.tensors, schema)
         if problem:
-            verdicts[candidate.update_id] = Verdict(candidate.update_id, False, problem)
+            verdicts[candidate.update_id] = ScreeningVerdict(candidate.update_id, False, problem)
         else:
             vectors[candidate.update_id] = flatten(candidate.tensors)
     norms = {update_id: norm64(vector) for update_id, vector in vectors.items()}
@@ -93,7 +93,9 @@ def screen_cohort(
     for update_id in in_range:
         ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
         if centre is None or centre_norm == 0.0 or norms[update_id] == 0.0:
-            verdicts[update_id] = Verdict(update_id, True, "accepted", norms[update_id], ratio)
+            verdicts[update_id] = ScreeningVerdict(
+                update_id, True, "accepted", norms[update_id], ratio
+            )
             continue
         cosine = dot64(vectors[update_id], centre) / (norms[update_id] * centre_norm)
         accepted = cosine >= spec.min_cosine
@@ -102,7 +104,9 @@ def screen_cohort(
             if accepted
             else f"cosine {cosine:.3f} to the cohort's robust centre is below {spec.min_cosine}"
         )
-        verdicts[update_id] = Verdict(update_id, accepted, reason, norms[update_id], ratio, cosine)
+        verdicts[update_id] = ScreeningVerdict(
+            update_id, accepted, reason, norms[update_id], ratio, cosine
+        )
     weights = {c.update_id: c.weight for c in ordered}
     final = tuple(verdicts[c.update_id] for c in ordered)
     return ScreeningOutcome(
@@ -117,7 +121,7 @@ def screen_cohort(
 
 
 def _norm_screen(
-    norms: dict[str, float], median: float, max_ratio: float, verdicts: dict[str, Verdict]
+    norms: dict[str, float], median: float, max_ratio: float, verdicts: dict[str, ScreeningVerdict]
 ) -> list[str]:
     """Ids whose norm is within ``max_ratio`` of ``median``, in id order; the rest get a
     rejecting verdict."""
@@ -132,7 +136,7 @@ def _norm_screen(
         else:
             passed.append(update_id)
             continue
-        verdicts[update_id] = Verdict(update_id, False, reason, norm, ratio)
+        verdicts[update_id] = ScreeningVerdict(update_id, False, reason, norm, ratio)
     return passed
 
 

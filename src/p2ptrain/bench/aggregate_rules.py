@@ -24,6 +24,7 @@ from p2ptrain.aggregate.cohort import Contribution
 from p2ptrain.aggregate.rules import make_rule, rule_names
 from p2ptrain.core.manifests import AggregationSpec
 from p2ptrain.errors import LocalError
+from p2ptrain.store.kernel_build import ensure_kernel
 
 __all__ = ["make_updates", "measure_rules"]
 
@@ -60,6 +61,7 @@ def measure_rules(
         raise LocalError(
             f"n_updates={n_updates}, values={values}, repeats={repeats}: each must be >= 1"
         )
+    ensure_kernel()
     updates = make_updates(n_updates, values, seed)
     sources = [update.vector for update in updates]
     destinations = [torch.zeros_like(source) for source in sources]

@@ -1,12 +1,13 @@
 """``p2ptrain bench byzantine``: can one lying trainer (or three) spoil the model?
 
-scikit-learn's digits (8x8 images, 10 classes), a small MLP, 10 workers running DiLoCo: each
-round every worker starts from the global model, takes H AdamW steps on its own shard (its
-optimizer state persists across rounds), and sends its pseudo-gradient; the rule aggregates,
-and an outer Nesterov step moves the global model. Some workers are Byzantine and send what
-an attack forges (:mod:`p2ptrain.aggregate.attacks`). Non-finite updates are always dropped
-before the rule, as every node does when it decodes an update; statistical screening is off
-unless asked for, so the table shows what each rule survives by itself.
+scikit-learn's digits (8x8 images, 10 classes; :mod:`p2ptrain.data.digits`), a small MLP, 10
+workers running DiLoCo: each round every worker starts from the global model, takes H AdamW
+steps on its own shard (its optimizer state persists across rounds), and sends its
+pseudo-gradient; the rule aggregates, and an outer Nesterov step moves the global model. Some
+workers are Byzantine and send what an attack forges (:mod:`p2ptrain.sim.attacks`).
+Non-finite updates are always dropped before the rule, as every node does when it decodes an
+update; statistical screening is off unless asked for, so the table shows what each rule
+survives by itself.
 
 The 10 workers are trained together as one batched model (parameters with a leading worker
 axis, ``bmm``); AdamW is elementwise, so this is exactly 10 independent optimizers.
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-from p2ptrain.aggregate.attacks import ATTACKS, AttackContext, attack_named
 from p2ptrain.aggregate.cohort import Contribution, Failure
 from p2ptrain.aggregate.outer import make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
@@ -36,7 +36,10 @@ from p2ptrain.core.manifests import (
     ScreeningSpec,
 )
 from p2ptrain.core.tensors import TensorSpec
+from p2ptrain.data.digits import Digits, load_digits_split
 from p2ptrain.errors import LocalError
+from p2ptrain.sim.attacks import ATTACKS, AttackContext, attack_named
+from p2ptrain.store.kernel_build import ensure_kernel
 
 #: The rule configuration each rule runs with here: every rule is told to tolerate 3 of 10.
 RULE_SETTINGS: dict[str, dict[str, str | int | float | bool]] = {
@@ -64,29 +67,6 @@ class ByzantineConfig:
     attacks: tuple[str, ...] = tuple(a for a in ATTACKS if a != "none")
     rules: tuple[str, ...] = AGGREGATION_RULES
     default_rule: AggregationSpec = field(default_factory=AggregationSpec)
-
-
-@dataclass(frozen=True)
-class Digits:
-    train_x: torch.Tensor  # (workers, shard, 64)
-    train_y: torch.Tensor  # (workers, shard)
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits_split(workers: int, seed: int) -> Digits:
-    """Digits scaled to [0, 1], 20% held out, the rest split evenly among workers."""
-    from sklearn.datasets import load_digits
-
-    images, labels = load_digits(return_X_y=True)
-    x = torch.tensor(images, dtype=torch.float32) / 16.0
-    y = torch.tensor(labels, dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    test = order[: len(y) // 5]
-    train = order[len(y) // 5 :]
-    shard = len(train) // workers
-    train = train[: shard * workers].reshape(workers, shard)
-    return Digits(x[train], y[train], x[test], y[test])
 
 
 class BatchedMLP:
@@ -238,6 +218,7 @@ def run_byzantine_benchmark(config: ByzantineConfig, progress: Any | None = None
     for name in config.rules:
         if name not in AGGREGATION_RULES:
             raise LocalError(f"unknown rule {name!r}; choose from {', '.join(AGGREGATION_RULES)}")
+    ensure_kernel()
     data = load_digits_split(config.workers, config.seed)
     started = time.perf_counter()
     honest = train_run(data, config, AggregationSpec(rule="mean"), "none", 0)

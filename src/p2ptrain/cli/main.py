@@ -18,6 +18,7 @@ from p2ptrain.cli import (
     sim_commands,
 )
 from p2ptrain.errors import LocalError, P2PTrainError
+from p2ptrain.store.kernel_build import ensure_kernel
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
 
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0 if args.command is None else 2
+    ensure_kernel()  # the C aggregation kernel, built on first use
     try:
         code: int = handler(args)
     except LocalError as exc:

@@ -47,7 +47,7 @@ def _slow(text: str) -> Any:
 
 
 def add_parsers(commands: Any) -> None:
-    from p2ptrain.aggregate.attacks import ATTACKS
+    from p2ptrain.sim.attacks import ATTACKS
     from p2ptrain.sim.scenario import ADVERSARIES
 
     sim = commands.add_parser(

@@ -1,4 +1,5 @@
-"""Training data: shard manifests of map-style datasets and the bundled Shakespeare corpus.
+"""Training data: shard manifests of map-style datasets, the bundled Shakespeare corpus, and
+scikit-learn's digits for the simulator and the benchmarks (:mod:`.digits`).
 
 A dataset is split into fixed-size shards whose names, sample counts and content hashes go
 into the experiment manifest (DESIGN §3), so every peer agrees on what a lease means and can

@@ -1,5 +1,5 @@
 """What each simulated node sends when it trains, proposes or attests: honest behaviour,
-Byzantine trainers (the attacks of :mod:`p2ptrain.aggregate.attacks`) and the protocol
+Byzantine trainers (the attacks of :mod:`p2ptrain.sim.attacks`) and the protocol
 adversaries of :data:`p2ptrain.sim.scenario.ADVERSARIES`.
 
 Byzantine trainers collude but are not omniscient here: each forges from its own honest
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2ptrain.aggregate.attacks import AttackContext, attack_named
 from p2ptrain.aggregate.exact import flatten, unflatten
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import sha256_hex
@@ -22,6 +21,7 @@ from p2ptrain.core.tensors import encode_state_dict
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.sim.attacks import AttackContext, attack_named
 
 if TYPE_CHECKING:
     from p2ptrain.sim.world import World, _Node

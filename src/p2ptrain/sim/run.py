@@ -9,12 +9,14 @@ from typing import Any
 
 from p2ptrain.sim.scenario import Scenario
 from p2ptrain.sim.world import World
+from p2ptrain.store.kernel_build import ensure_kernel
 
 __all__ = ["simulate"]
 
 
 def simulate(scenario: Scenario) -> dict[str, Any]:
     """Run ``scenario`` to its windows (or its time limit) and return the report."""
+    ensure_kernel()
     started = time.perf_counter()
     world = World(scenario)
     world.run()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2ptrain.aggregate.attacks import ATTACKS
 from p2ptrain.errors import LocalError
+from p2ptrain.sim.attacks import ATTACKS
 
 __all__ = ["ADVERSARIES", "Crash", "Partitioned", "Scenario", "SlowLink"]
 

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from p2ptrain.bench.byzantine import load_digits_split
 from p2ptrain.core.manifests import DatasetManifest, ShardInfo
+from p2ptrain.data.digits import load_digits_split
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol.leases import Lease
 

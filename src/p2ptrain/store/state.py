@@ -29,10 +29,10 @@ from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 __all__ = [
     "DB_FILENAME",
     "SCHEMA_VERSION",
-    "CertifiedHead",
     "ConflictingCertifiedHead",
     "StateStore",
     "StateStoreStatistics",
+    "StoredCertifiedHead",
 ]
 
 DB_FILENAME = "node.db"
@@ -72,7 +72,7 @@ class ConflictingCertifiedHead(ProtocolViolation):
     certificates equivocated or the quorum rules are broken. The first head is kept.
     """
 
-    def __init__(self, existing: CertifiedHead, head_id: str, certificate_id: str) -> None:
+    def __init__(self, existing: StoredCertifiedHead, head_id: str, certificate_id: str) -> None:
         super().__init__(
             f"refused to certify head {head_id} (certificate {certificate_id}) at height "
             f"{existing.height} of experiment {existing.experiment_id}: head "
@@ -86,8 +86,10 @@ class ConflictingCertifiedHead(ProtocolViolation):
 
 
 @dataclass(frozen=True, slots=True)
-class CertifiedHead:
-    """The head certified at one height of one experiment, and the certificate proving it."""
+class StoredCertifiedHead:
+    """The head certified at one height of one experiment, and the certificate proving it,
+    by id, as the state store keeps them (:class:`p2ptrain.protocol.chain.CertifiedHead` is
+    the chain's link, with the records themselves)."""
 
     experiment_id: str
     height: int
@@ -280,12 +282,12 @@ class StateStore:
             raise ConflictingCertifiedHead(existing, head_id, certificate_id)
         return False  # the same head again, perhaps by another certificate: keep the first
 
-    def certified_head(self, experiment_id: str, height: int) -> CertifiedHead | None:
+    def certified_head(self, experiment_id: str, height: int) -> StoredCertifiedHead | None:
         """The head certified at ``height`` of the experiment, or None."""
         with self._transaction() as db:
             return _certified_head(db, experiment_id, height)
 
-    def latest_certified_head(self, experiment_id: str) -> CertifiedHead | None:
+    def latest_certified_head(self, experiment_id: str) -> StoredCertifiedHead | None:
         """The certified head with the greatest height in the experiment, or None."""
         with self._transaction() as db:
             row = db.execute(
@@ -293,7 +295,7 @@ class StateStore:
                 " WHERE experiment_id = ? ORDER BY height DESC LIMIT 1",
                 (experiment_id,),
             ).fetchone()
-        return None if row is None else CertifiedHead(*row)
+        return None if row is None else StoredCertifiedHead(*row)
 
     # -- meta ----------------------------------------------------------------------------
 
@@ -380,13 +382,13 @@ def _current_version(db: sqlite3.Connection) -> int:
 
 def _certified_head(
     db: sqlite3.Connection, experiment_id: str, height: int
-) -> CertifiedHead | None:
+) -> StoredCertifiedHead | None:
     row = db.execute(
         "SELECT experiment_id, height, head_id, certificate_id FROM certified_heads"
         " WHERE experiment_id = ? AND height = ?",
         (experiment_id, height),
     ).fetchone()
-    return None if row is None else CertifiedHead(*row)
+    return None if row is None else StoredCertifiedHead(*row)
 
 
 def _require_record(db: sqlite3.Connection, record_id: str) -> None:

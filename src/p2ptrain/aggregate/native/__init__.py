@@ -1,32 +1,24 @@
-"""The optional C kernel for streamed passes (``kernel.c``), built on first use.
+"""The optional C kernel for streamed passes (``kernel.c``), once a shell installs it.
 
 A weighted combination followed by the exact float64 distances of every input to it is
 memory-bound; in torch it takes a dozen passes over cache-sized spans (the float64 squares
 alone are written, squared and halved), in C one pass while each slice is in L1. The kernel
 gives the same bits as the torch code (:func:`p2ptrain.aggregate.rules_basic.stream_pass`),
-and the tests compare the two on every shape class, so a machine without a C compiler
-only runs slower, never differently.
+and the tests compare the two on every shape class, so a machine without the kernel only
+runs slower, never differently.
 
-The library is compiled once per source and machine with the system C compiler (``$CC``,
-else ``cc``) into ``$P2PTRAIN_CACHE`` (default ``$XDG_CACHE_HOME/p2ptrain``, else
-``~/.cache/p2ptrain``); the build is written to a temporary name and renamed, so concurrent
-processes are safe. ``P2PTRAIN_NATIVE=0`` disables the kernel. A failed build is logged
-once (with the compiler's message) and the torch path is used.
+This package builds nothing and reads no environment: a shell installs a loader with
+:func:`install_kernel` (:func:`p2ptrain.store.kernel_build.ensure_kernel` compiles
+``kernel.c`` with the system C compiler into a cache). The loader is called once, on the
+first pass that could use the kernel; until a loader is installed, or when it returns None,
+every pass takes the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,72 +26,46 @@ from typing import Any
 
 import torch
 
-__all__ = ["Trimmed", "Weighted", "available", "stream_pass"]
+__all__ = [
+    "KERNEL_SOURCE",
+    "KernelLoader",
+    "Trimmed",
+    "Weighted",
+    "available",
+    "install_kernel",
+    "installed_loader",
+    "stream_pass",
+]
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("kernel.c")
-#: Never -ffast-math or FMA contraction: each float operation must round exactly once.
-_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+#: The kernel's C source, shipped as package data; a shell compiles it.
+KERNEL_SOURCE = Path(__file__).with_name("kernel.c")
+#: Loads the compiled kernel, or returns None when it cannot (having said why).
+KernelLoader = Callable[[], ctypes.CDLL | None]
 #: The kernel's modes (``kernel.c``): aggregate given, weighted combination, trimmed mean.
 _GIVEN, _WEIGHTED, _TRIMMED = 0, 1, 2
 #: Blocks per task when the pass is split between threads.
 _BLOCKS_PER_TASK = 16
 
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("P2PTRAIN_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "p2ptrain"
+_loader: KernelLoader | None = None
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        command = [compiler, *_FLAGS, "-o", temporary, str(_SOURCE)]
-        completed = subprocess.run(command, capture_output=True, text=True, check=False)
-        if completed.returncode != 0:
-            raise OSError(
-                f"{' '.join(command)} exited with {completed.returncode}: "
-                f"{completed.stderr.strip()[-2000:]}"
-            )
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+def install_kernel(loader: KernelLoader | None) -> None:
+    """Use the library ``loader`` returns (called once, on first use) for streamed passes;
+    None goes back to the torch path. Installing again forgets the library loaded before."""
+    global _loader  # noqa: PLW0603 - the one process-wide kernel, as a C library is
+    _loader = loader
+    _function.cache_clear()
+
+
+def installed_loader() -> KernelLoader | None:
+    """The loader :func:`install_kernel` installed, if any."""
+    return _loader
 
 
 @functools.cache
-def _library() -> Any | None:
-    if os.environ.get("P2PTRAIN_NATIVE", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning(
-            "no C compiler found (set CC or install cc); aggregation uses the slower torch path"
-        )
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join(_FLAGS).encode(), compiler.encode(), platform.machine().encode()]
-        )
-    ).hexdigest()[:24]
-    target = _cache_dir() / "native" / f"kernel-{key}{'.dll' if sys.platform == 'win32' else '.so'}"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))
-    except OSError as error:
-        log.warning(
-            "could not build the aggregation kernel (%s); aggregation uses the slower torch "
-            "path. Set P2PTRAIN_NATIVE=0 to skip the attempt.",
-            error,
-        )
+def _function() -> Any | None:
+    library = None if _loader is None else _loader()
+    if library is None:
         return None
     function = library.p2p_stream_pass
     function.restype = ctypes.c_int
@@ -126,8 +92,8 @@ def _library() -> Any | None:
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (building it on first call)."""
-    return _library() is not None
+    """Whether a kernel is installed and loads (loading it on first call)."""
+    return _function() is not None
 
 
 @functools.cache
@@ -172,7 +138,7 @@ def stream_pass(
     ``blocks = (first, end)`` of ``chunk`` values, default all of them. None rows stand
     for the zero vector. Returns False, touching nothing, when the kernel is unavailable
     or a tensor is not a contiguous CPU float32 one."""
-    function = _library()
+    function = _function()
     if function is None or not _usable(aggregate):
         return False
     if any(row is not None and not _usable(row) for row in rows):
