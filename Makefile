@@ -1,4 +1,6 @@
 # p2ptrain set-up. `make test` and `make demo` do everything on a fresh machine.
+# `make check` is the quick loop while iterating (a few minutes on 2 cores): lint, import
+# contracts, types, and the unit and simulator tests; `make test` adds every other test tier.
 #
 #   TORCH_SPEC   the torch requirement installed first (default: the CPU build torch==2.13.0;
 #                e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
@@ -11,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2ptrain-installed
 
-.PHONY: test lint types unit demo bench clean
+.PHONY: test check lint imports types unit demo bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
@@ -35,13 +37,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
+# The import contracts in pyproject.toml ([tool.importlinter]): DESIGN §8's import direction.
+imports: $(STAMP)
+	$(VENV)/bin/lint-imports
+
 types: $(STAMP)
 	$(VENV)/bin/mypy src
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: lint types unit
+test: lint imports types unit
+
+check: lint imports types
+	$(VENV)/bin/pytest -q tests/unit tests/sim
 
 demo: $(STAMP)
 	$(VENV)/bin/p2ptrain demo $(DEMO_ARGS)
@@ -50,4 +59,4 @@ bench: $(STAMP)
 	$(VENV)/bin/p2ptrain bench store --json
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache .grimp_cache

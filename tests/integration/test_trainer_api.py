@@ -12,15 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from p2ptrain import Trainer
 from p2ptrain.errors import LocalError
 from p2ptrain.node.export import canonical_weights
-from p2ptrain.node.local_network import experiment_toml
-from p2ptrain.torch import Trainer
 from p2ptrain.torch.char_gpt import char_gpt_workload
 from tests.support.local_net import (  # noqa: F401
-    DEADLINE_S,
-    INNER_STEPS,
-    PROPOSAL_S,
     TINY_CONFIG,
     Net,
     local_net,
@@ -101,18 +97,7 @@ def test_a_model_that_is_not_the_experiments_is_refused(local_net: Net) -> None:
 def test_a_private_network_admits_only_nodes_with_its_secret(local_net: Net) -> None:  # noqa: F811
     net = local_net
     secret = net.workdir / "net.secret"  # the seed writes a new one
-    toml = experiment_toml(
-        validators=[net.network.identity("validator-0")],
-        reducers=[],
-        quorum=1,
-        workload={"name": "char-gpt", "config": TINY_CONFIG},
-        inner_steps=INNER_STEPS,
-        deadline_s=DEADLINE_S,
-        proposal_s=PROPOSAL_S,
-        min_updates=1,
-        max_updates=1,
-    )
-    path = net.network.write_experiment(toml)
+    path = net.write_experiment(validators=["validator-0"], quorum=1, max_updates=1)
     net.start("seed", "seed", args=["--experiment-toml", str(path), "--secret-file", str(secret)])
     net.wait_ready(["seed"])
     assert secret.stat().st_mode & 0o777 == 0o600

@@ -6,11 +6,21 @@ import hashlib
 from collections.abc import Sequence
 
 from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo, WorkloadSpec
+from p2ptrain.core.manifests import (
+    CodecSpec,
+    DatasetManifest,
+    ExperimentManifest,
+    ShardInfo,
+    WindowSpec,
+    WorkloadSpec,
+)
 from p2ptrain.core.records import Attestation, Head, PeerRecord
+from p2ptrain.core.tensors import encode_state_dict, schema_hash
 from p2ptrain.protocol.chain import HeadChain, genesis_head
+from p2ptrain.sim.workloads import SyntheticWorkload
 
 
 def h(label: str) -> str:
@@ -39,6 +49,29 @@ def experiment(
         quorum=quorum,
         lease_size=10,
         genesis_weights=h("genesis"),
+    )
+
+
+def synthetic_experiment(
+    workload: SyntheticWorkload, validator: bytes, *, max_updates: int
+) -> ExperimentManifest:
+    """An experiment of the simulator's synthetic workload with one validator (q = 1) and
+    a deadline of 100 s, for driving the window machines by hand."""
+    genesis = workload.genesis()
+    return ExperimentManifest(
+        network_id=h("network"),
+        study="unit",
+        name="synthetic",
+        authority=identity(99).public_key,
+        workload=WorkloadSpec(name="synthetic", schema_hash=schema_hash(genesis)),
+        dataset=workload.dataset(),
+        inner_steps=1,
+        window=WindowSpec(deadline_s=100.0, proposal_s=5.0, max_updates=max_updates),
+        codec=CodecSpec(name="fp32"),
+        validators=(validator,),
+        quorum=1,
+        lease_size=64,
+        genesis_weights=sha256_hex(bytes(encode_state_dict(genesis))),
     )
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 import torch
 
@@ -36,6 +37,7 @@ from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.records import Head
 from p2ptrain.core.tensors import decode_state_dict
+from p2ptrain.node.events import NodeEvent, Ready
 from p2ptrain.node.export import canonical_weights
 from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
 from p2ptrain.node.persist import NodeStore
@@ -157,19 +159,15 @@ class Net:
         validator_names = [f"validator-{i}" for i in range(validators)]
         reducer_names = [f"reducer-{i}" for i in range(reducers)]
         trainer_names = [f"trainer-{i}" for i in range(trainers)]
-        toml = experiment_toml(
-            validators=[self.network.identity(n) for n in validator_names],
-            reducers=[self.network.identity(n) for n in reducer_names],
+        path = self.write_experiment(
+            validators=validator_names,
+            reducers=reducer_names,
             quorum=quorum,
-            workload={"name": "char-gpt", "config": TINY_CONFIG},
-            inner_steps=INNER_STEPS,
-            deadline_s=deadline_s,
-            proposal_s=proposal_s,
             min_updates=min_updates,
             max_updates=trainers if max_updates is None else max_updates,
-            inner_lr=float(TINY_CONFIG["lr"]),
+            deadline_s=deadline_s,
+            proposal_s=proposal_s,
         )
-        path = self.network.write_experiment(toml)
         self.start("seed", "seed", args=["--experiment-toml", str(path)])
         self.wait_ready(["seed"])
         self.windows = windows
@@ -182,15 +180,51 @@ class Net:
             self.start(name, "trainer", windows=windows)
         self.wait_ready([*reducer_names, *validator_names, *trainer_names])
 
+    def write_experiment(
+        self,
+        *,
+        validators: Sequence[str],
+        reducers: Sequence[str] = (),
+        quorum: int,
+        max_updates: int,
+        min_updates: int = 1,
+        deadline_s: float = DEADLINE_S,
+        proposal_s: float = PROPOSAL_S,
+    ) -> Path:
+        """Write the tiny char-GPT experiment whose validators and reducers are the keys of
+        the nodes named (created now); return its path, for the seed's --experiment-toml."""
+        toml = experiment_toml(
+            validators=[self.network.identity(n) for n in validators],
+            reducers=[self.network.identity(n) for n in reducers],
+            quorum=quorum,
+            workload={"name": "char-gpt", "config": TINY_CONFIG},
+            inner_steps=INNER_STEPS,
+            deadline_s=deadline_s,
+            proposal_s=proposal_s,
+            min_updates=min_updates,
+            max_updates=max_updates,
+            inner_lr=float(TINY_CONFIG["lr"]),
+        )
+        return self.network.write_experiment(toml)
+
     def start(
-        self, name: str, role: str, *, windows: int | None = None, args: Sequence[str] = ()
+        self,
+        name: str,
+        role: str | Sequence[str],
+        *,
+        windows: int | None = None,
+        args: Sequence[str] = (),
+        program: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> NodeProcess:
-        """Start the node ``name``, or start it again on its data directory once it ended."""
+        """Start the node ``name`` (of one role, or several: ``roles[name]`` is then
+        ``"trainer+validator"``), or start it again on its data directory once it ended.
+        ``program`` replaces ``python -m p2ptrain``."""
         if name in self.network.nodes and name not in self.exited:
             raise AssertionError(f"{name} is still running; kill or stop it first")
-        node = self.network.start(name, role, windows=windows, args=args)
+        node = self.network.start(name, role, windows=windows, args=args, program=program, env=env)
         self.processes.append(node)
-        self.roles[name] = role
+        self.roles[name] = role if isinstance(role, str) else "+".join(role)
         for book in (self.exited, self.killed):
             book.discard(name)
         self.stopped.pop(name, None)
@@ -198,8 +232,12 @@ class Net:
 
     def restart(self, name: str) -> NodeProcess:
         """Start a killed node again on its data directory and wait until it is ready."""
-        role = self.roles[name]
-        node = self.start(name, role, windows=self.windows if role == "trainer" else None)
+        roles = self.network.nodes[name].roles
+        node = self.start(
+            name,
+            roles[0] if len(roles) == 1 else roles,
+            windows=self.windows if "trainer" in roles else None,
+        )
         self.wait_ready([name])
         return node
 
@@ -255,16 +293,17 @@ class Net:
         """Every event of ``kind`` seen so far (from ``name`` only, if given)."""
         return [e for _, n, e in self.history if e["event"] == kind and (name is None or n == name)]
 
-    def _take(self, name: str, event: Event) -> None:
+    def _take(self, name: str, typed: NodeEvent) -> None:
+        event: Event = msgspec.to_builtins(typed)
         kind = event.get("event")
         seconds = time.monotonic() - self._started_at
         self.history.append((seconds, name, event))
         self._recent.append(f"{seconds:6.1f}s {name}: {_brief(event)}")
-        if kind == "ready":
-            self.network.nodes[name].ready = event
+        if isinstance(typed, Ready):
+            self.network.nodes[name].ready = typed
             self.peer_ids[name] = str(event["peer_id"])
             self.heights[name] = max(self.heights.get(name, 0), int(event.get("height", 0)))
-            if self.roles.get(name) == "seed":
+            if "seed" in self.network.nodes[name].roles:
                 self.network.experiment_id = str(event["experiment_id"])
         elif kind == "adopted":
             self.heights[name] = max(self.heights.get(name, 0), int(event["height"]))
@@ -287,7 +326,9 @@ class Net:
     def wait_ready(self, names: Sequence[str], timeout_s: float = READY_TIMEOUT_S) -> None:
         nodes = self.network.nodes
         self.wait(
-            f"{', '.join(names)} to be ready", timeout_s, lambda: all(nodes[n].ready for n in names)
+            f"{', '.join(names)} to be ready",
+            timeout_s,
+            lambda: all(nodes[n].ready is not None for n in names),
         )
 
     def wait_height(self, name: str, height: int, timeout_s: float) -> None:

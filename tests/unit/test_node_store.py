@@ -11,9 +11,7 @@ import torch
 
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.cli.node_commands import _config, _listen, settings_from
-from p2ptrain.core.encoding import sha256_hex
-from p2ptrain.core.manifests import CodecSpec, ExperimentManifest, WindowSpec, WorkloadSpec
-from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
+from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings
@@ -23,7 +21,13 @@ from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.workloads import SyntheticWorkload
 from p2ptrain.store.datadir import DataDir
-from tests.support.builders import certified_chain, experiment, h, identity
+from tests.support.builders import (
+    certified_chain,
+    experiment,
+    h,
+    identity,
+    synthetic_experiment,
+)
 
 
 def test_links_round_trip_and_verify_again(tmp_path: Path) -> None:
@@ -75,11 +79,17 @@ def test_a_data_directory_follows_one_experiment(tmp_path: Path) -> None:
             store.remember_experiment(h("two"))
 
 
-def test_settings_refuse_two_machine_roles_and_bad_ids(tmp_path: Path) -> None:
-    with pytest.raises(LocalError, match="one of trainer, reducer and validator"):
-        NodeSettings(data_dir=tmp_path, roles=("trainer", "validator"))
-    with pytest.raises(LocalError, match="choose from"):
+def test_settings_take_several_roles_and_refuse_bad_ones(tmp_path: Path) -> None:
+    both = NodeSettings(data_dir=tmp_path, roles=("trainer", "validator", "trainer"))
+    assert both.roles == ("trainer", "validator") and both.max_role_failures == 3
+    with pytest.raises(LocalError, match="choose one or more of"):
         NodeSettings(data_dir=tmp_path, roles=("miner",))
+    with pytest.raises(LocalError, match="choose one or more of"):
+        NodeSettings(data_dir=tmp_path, roles=())
+    with pytest.raises(LocalError, match="--max-role-failures 0: use 1 or more"):
+        NodeSettings(data_dir=tmp_path, roles=("trainer",), max_role_failures=0)
+    with pytest.raises(LocalError, match="add --role seed"):
+        NodeSettings(data_dir=tmp_path, roles=("trainer",), experiment_toml=tmp_path / "e")
     with pytest.raises(LocalError, match="64 hex"):
         NodeSettings(data_dir=tmp_path, roles=("trainer",), experiment_id="abc")
 
@@ -90,13 +100,22 @@ def test_cli_settings_from_toml_and_flags(tmp_path: Path) -> None:
     args = argparse.Namespace(
         config=str(config), dir=str(tmp_path / "d"), experiment=h("x"), bootstrap=None,
         listen="127.0.0.1:0", advertise=None, relay=None, secret_file=None, windows=3,
-        threads=None, mdns=None, network_name=None, experiment_toml=None, role="validator",
-        listen_default="127.0.0.1:0", data_dir_default="p2ptrain-data",
+        threads=None, mdns=None, network_name=None, experiment_toml=None, roles=["validator"],
+        max_role_failures=None, data_dir_default="p2ptrain-data",
     )  # fmt: skip
     settings = settings_from(args)
     assert settings.bootstrap == ("http://s:7700",)
     assert (settings.host, settings.port) == ("127.0.0.1", 0)  # the flag wins
     assert settings.threads == 2 and settings.windows == 3 and settings.roles == ("validator",)
+    # `p2ptrain node`: roles from the config when no --role is given; a trainer that also
+    # validates listens by default
+    config.write_text('role = ["trainer", "validator"]\nmax_role_failures = 5\n')
+    several = settings_from(argparse.Namespace(**{**vars(args), "roles": None, "listen": None}))
+    assert several.roles == ("trainer", "validator") and several.max_role_failures == 5
+    assert several.host == "127.0.0.1"
+    config.write_text("")
+    with pytest.raises(LocalError, match="give the node its roles"):
+        settings_from(argparse.Namespace(**{**vars(args), "roles": None}))
     config.write_text("bootstrapp = []\n")
     with pytest.raises(LocalError, match="unknown setting"):
         _config(str(config))
@@ -105,32 +124,11 @@ def test_cli_settings_from_toml_and_flags(tmp_path: Path) -> None:
         _listen("7700")
 
 
-def _manifest(
-    max_updates: int, workload: SyntheticWorkload, validator: bytes
-) -> ExperimentManifest:
-    genesis = workload.genesis()
-    return ExperimentManifest(
-        network_id=h("network"),
-        study="unit",
-        name="early",
-        authority=identity(99).public_key,
-        workload=WorkloadSpec(name="synthetic", schema_hash=schema_hash(genesis)),
-        dataset=workload.dataset(),
-        inner_steps=1,
-        window=WindowSpec(deadline_s=100.0, proposal_s=5.0, max_updates=max_updates),
-        codec=CodecSpec(name="fp32"),
-        validators=(validator,),
-        quorum=1,
-        lease_size=64,
-        genesis_weights=sha256_hex(bytes(encode_state_dict(genesis))),
-    )
-
-
 @pytest.mark.parametrize("max_updates", [2, 3])
 def test_a_full_window_closes_before_its_deadline(max_updates: int) -> None:
     workload = SyntheticWorkload(seed=1)
     validator = identity(0)
-    manifest = _manifest(max_updates, workload, validator.public_key)
+    manifest = synthetic_experiment(workload, validator.public_key, max_updates=max_updates)
     genesis = workload.genesis()
     participant = Participant(manifest, validator, genesis, validator=True, reducers=(), now=0.0)
     for n in range(2):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import Exited, HeadAdopted, PeerReported, RoleFailure, Trained
 
 __all__ = ["add_parser", "run_demo"]
 
@@ -163,14 +164,11 @@ def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> No
         last = time.monotonic()
         events = network.next_events(per_window_s * windows, until=lambda: reached[0] >= windows)
         for name, event in events:
-            kind = event["event"]
-            if kind == "trained":
-                losses.setdefault(int(event["window"]), []).append(
-                    (float(event["loss_before"]), float(event["loss_after"]))
-                )
-                progress.update(task, description=f"{name} trained window {event['window']}")
-            elif kind == "adopted" and name == "seed":
-                height = reached[0] = int(event["height"])
+            if isinstance(event, Trained):
+                losses.setdefault(event.window, []).append((event.loss_before, event.loss_after))
+                progress.update(task, description=f"{name} trained window {event.window}")
+            elif isinstance(event, HeadAdopted) and name == "seed":
+                height = reached[0] = event.height
                 pairs = losses.get(height, [])
                 loss = ""
                 if pairs:
@@ -179,16 +177,18 @@ def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> No
                     loss = f", train loss {before:.3f} -> {after:.3f}"
                 now = time.monotonic()
                 progress.console.print(
-                    f"window {height} certified: {event['accepted']} updates{loss}, "
-                    f"{now - last:.1f} s"
+                    f"window {height} certified: {event.accepted} updates{loss}, {now - last:.1f} s"
                 )
                 last = now
                 progress.update(task, completed=height, description="")
-            elif kind == "reported":
+            elif isinstance(event, PeerReported):
+                progress.console.print(f"[yellow]{name}: peer {event.peer[:12]}: {event.reason}")
+            elif isinstance(event, RoleFailure):
                 progress.console.print(
-                    f"[yellow]{name}: peer {event['peer'][:12]}: {event['reason']}"
+                    f"[red]{name}: the {event.role} failed in window {event.window}: "
+                    f"{event.error}: {event.message}"
                 )
-            elif kind == "exited" and name == "seed":
+            elif isinstance(event, Exited) and name == "seed":
                 raise LocalError(f"the seed exited; see {network.nodes['seed'].log}")
 
 
@@ -204,7 +204,8 @@ def _summarise(
 
     from p2ptrain.data.shards import lease_indices
     from p2ptrain.node.export import canonical_weights, export_checkpoint
-    from p2ptrain.node.runtime import window_seed
+    from p2ptrain.node.status import read_status
+    from p2ptrain.node.trainer_runner import window_seed
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
     from p2ptrain.torch.char_gpt import char_gpt_workload
@@ -219,8 +220,7 @@ def _summarise(
     peer_ids = [network.nodes[t].peer_id for t in trainers]
     sent = []
     for name in trainers:
-        status = json.loads((network.workdir / name / "status.json").read_text())
-        sent.append(int(status["bytes_sent"]))
+        sent.append(read_status(network.workdir / name).bytes_sent)
     parameters = sum(t.numel() for t in weights.values())
     steps = height * manifest.inner_steps
     summary: dict[str, Any] = {

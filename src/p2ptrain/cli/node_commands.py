@@ -1,9 +1,12 @@
-"""``p2ptrain seed | train | validate | reduce | view | status | export``: running nodes.
+"""``p2ptrain node | seed | train | validate | reduce | view | status | export``: nodes.
 
-Each node command takes its settings from an optional TOML file (``--config``; keys are the
-flag names with ``_`` for ``-``, e.g. ``bootstrap = ["http://seed:7700"]``) and from flags,
-which win. A node prints one line per certified window (``--json``: one JSON object per
-event on stdout, for scripts and the demo) and logs problems on stderr.
+``p2ptrain node --role trainer --role validator ...`` runs one node holding every role it is
+given (one identity, data directory, server and store); ``seed``, ``train``, ``validate``,
+``reduce`` and ``view`` are shortcuts for a node of one role. Each node command takes its
+settings from an optional TOML file (``--config``; keys are the flag names with ``_`` for
+``-``, e.g. ``bootstrap = ["http://seed:7700"]``, and ``role = ["trainer", "validator"]``)
+and from flags, which win. A node prints one line per certified window (``--json``: one JSON
+object per event on stdout, for scripts and the demo) and logs problems on stderr.
 """
 
 from __future__ import annotations
@@ -19,7 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.setup import NodeSettings, new_secret
+from p2ptrain.node.events import (
+    HeadAdopted,
+    NodeEvent,
+    PeerReported,
+    Ready,
+    RoleFailure,
+    Trained,
+    encode_event,
+)
+from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
+from p2ptrain.node.setup import ROLES, NodeSettings, new_secret
+from p2ptrain.node.status import NodeStatus, decode_status, read_status
 
 _NODE_COMMANDS = {
     "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
@@ -28,7 +42,10 @@ _NODE_COMMANDS = {
     "reduce": ("reducer", "aggregate each window's updates and propose the next head"),
     "view": ("viewer", "follow the certified chain and keep the canonical model (to export)"),
 }
+_SERVING_ROLES = ("seed", "validator", "reducer")
 _CONFIG_KEYS = {
+    "role",
+    "max_role_failures",
     "dir",
     "experiment",
     "experiment_toml",
@@ -45,10 +62,25 @@ _CONFIG_KEYS = {
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
+    node = commands.add_parser(
+        "node",
+        help="run a node holding one or more roles (--role trainer --role validator)",
+        description="Run one node holding every role given with --role (one identity, data "
+        "directory, server and store): three friends can each train and validate.",
+    )
+    node.add_argument(
+        "--role",
+        action="append",
+        dest="roles",
+        choices=ROLES,
+        help="a role this node holds (repeatable; or `role = [...]` in --config)",
+    )
+    _node_arguments(node, data_dir, None)
+    node.set_defaults(handler=run_node_command)
     for command, (role, help_text) in _NODE_COMMANDS.items():
         parser = commands.add_parser(command, help=help_text, description=help_text + ".")
         _node_arguments(parser, data_dir, role)
-        parser.set_defaults(handler=run_node_command, role=role)
+        parser.set_defaults(handler=run_node_command, roles=[role])
 
     status = commands.add_parser(
         "status",
@@ -76,24 +108,23 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     export.set_defaults(handler=run_export)
 
 
-def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str) -> None:
+def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | None) -> None:
     parser.add_argument("--config", help="TOML file with these settings (flags win)")
     parser.add_argument("--dir", help=f"data directory (default: {data_dir})")
-    if role == "seed":
+    if role in ("seed", None):
         parser.add_argument(
             "--experiment-toml",
-            help="experiment definition to sign and serve (see examples/shakespeare.toml)",
+            help="experiment definition to sign and serve, for the seed creating the network "
+            "(see examples/shakespeare.toml)",
         )
     parser.add_argument("--experiment", help="the experiment id to join (the seed prints it)")
     parser.add_argument(
         "--bootstrap", action="append", help="seed address http://HOST:PORT (repeatable)"
     )
-    listen_default = "127.0.0.1:0" if role in ("seed", "validator", "reducer") else None
     parser.add_argument(
         "--listen",
-        help="HOST:PORT to serve on; 'none' for outbound only (default: "
-        + (listen_default or "none")
-        + ")",
+        help="HOST:PORT to serve on; 'none' for outbound only (default: 127.0.0.1:0 for a "
+        "seed, validator or reducer, none otherwise)",
     )
     parser.add_argument(
         "--advertise", action="append", help="address peers should dial (repeatable)"
@@ -104,8 +135,14 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str) -
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--mdns", action="store_true", default=None, help="find peers on the LAN")
     parser.add_argument("--network-name", help="name of the network a seed creates")
+    parser.add_argument(
+        "--max-role-failures",
+        type=int,
+        help="stop the node once a role failed this many steps in a row "
+        f"(default {DEFAULT_MAX_FAILURES})",
+    )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
-    parser.set_defaults(listen_default=listen_default, data_dir_default=data_dir)
+    parser.set_defaults(data_dir_default=data_dir)
 
 
 def _config(path: str | None) -> dict[str, Any]:
@@ -171,11 +208,20 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         value = getattr(args, name, None)
         return config.get(name, default) if value is None else value
 
-    host, port = _listen(pick("listen", args.listen_default))
+    roles = pick("roles") or config.get("role") or []
+    if isinstance(roles, str):
+        roles = [roles]
+    if not roles:
+        raise LocalError(
+            f"p2ptrain node: give the node its roles, e.g. --role trainer --role validator "
+            f"(one or more of {', '.join(ROLES)})"
+        )
+    serving = any(r in _SERVING_ROLES for r in roles)
+    host, port = _listen(pick("listen", "127.0.0.1:0" if serving else None))
     toml = pick("experiment_toml")
     return NodeSettings(
         data_dir=Path(pick("dir", args.data_dir_default)),
-        roles=(args.role,),
+        roles=tuple(roles),
         experiment_id=pick("experiment"),
         experiment_toml=None if toml is None else Path(toml),
         bootstrap=tuple(pick("bootstrap", [])),
@@ -183,11 +229,12 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         port=port,
         advertise=tuple(pick("advertise", [])),
         relay=pick("relay"),
-        secret=_secret(pick("secret_file"), create=args.role == "seed"),
+        secret=_secret(pick("secret_file"), create="seed" in roles),
         network_name=pick("network_name", "p2ptrain"),
         windows=pick("windows"),
         threads=int(pick("threads", 1)),
         mdns=bool(pick("mdns", False)),
+        max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
     )
 
 
@@ -208,45 +255,50 @@ def run_node_command(args: argparse.Namespace) -> int:
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("windows", total=settings.windows)
 
-        def show(event: dict[str, Any]) -> None:
+        def show(event: NodeEvent) -> None:
             line = _describe_event(event)
             if line:
                 progress.console.print(line, soft_wrap=True)  # ids stay whole
-            if event["event"] in ("adopted", "ready"):
-                progress.update(task, completed=int(event["height"]))
+            if isinstance(event, Ready | HeadAdopted):
+                progress.update(task, completed=event.height)
 
         status = run_node(settings, on_event=show)
-    console.print(f"stopped at height {status['height']} (head {status['head_id'][:12]})")
+    console.print(f"stopped at height {status.height} (head {status.head_id[:12]})")
     return 0
 
 
-def _json_event(event: dict[str, Any]) -> None:
-    print(json.dumps(event, default=str), flush=True)
+def _json_event(event: NodeEvent) -> None:
+    sys.stdout.buffer.write(encode_event(event) + b"\n")
+    sys.stdout.flush()
 
 
-def _describe_event(event: dict[str, Any]) -> str | None:
+def _describe_event(event: NodeEvent) -> str | None:
     """One line for an event worth a line (None for the others)."""
-    kind = event["event"]
     stamp = time.strftime("%H:%M:%S")
-    if kind == "ready":
-        where = event.get("address") or "outbound only"
+    if isinstance(event, Ready):
+        where = event.address or "outbound only"
         return (
-            f"{stamp} ready: peer {event['peer_id'][:16]} at {where}; experiment "
-            f"{event['experiment_id']} at height {event['height']}"
+            f"{stamp} ready: peer {event.peer_id[:16]} ({', '.join(event.roles)}) at {where}; "
+            f"experiment {event.experiment_id} at height {event.height}"
         )
-    if kind == "adopted":
+    if isinstance(event, HeadAdopted):
         return (
-            f"{stamp} window {event['height']} certified: head {event['head_id'][:12]}, "
-            f"{event['accepted']} updates accepted, {event['seconds']:.1f} s ({event['reason']})"
+            f"{stamp} window {event.height} certified: head {event.head_id[:12]}, "
+            f"{event.accepted} updates accepted, {event.seconds:.1f} s ({event.reason})"
         )
-    if kind == "trained":
+    if isinstance(event, Trained):
         return (
-            f"{stamp} trained window {event['window']}: loss {event['loss_before']:.3f} -> "
-            f"{event['loss_after']:.3f} in {event['seconds']:.1f} s, update "
-            f"{event['blob_bytes'] / 1e6:.2f} MB"
+            f"{stamp} trained window {event.window}: loss {event.loss_before:.3f} -> "
+            f"{event.loss_after:.3f} in {event.seconds:.1f} s, update "
+            f"{event.blob_bytes / 1e6:.2f} MB"
         )
-    if kind == "reported":
-        return f"{stamp} [yellow]peer {event['peer'][:16]} misbehaved: {event['reason']}"
+    if isinstance(event, PeerReported):
+        return f"{stamp} [yellow]peer {event.peer[:16]} misbehaved: {event.reason}"
+    if isinstance(event, RoleFailure):
+        return (
+            f"{stamp} [red]{event.role} failed in window {event.window} while {event.step}: "
+            f"{event.error}: {event.message} ({event.failures} of {event.limit} in a row)"
+        )
     return None
 
 
@@ -258,40 +310,49 @@ def run_status(args: argparse.Namespace) -> int:
     if target.startswith(("http://", "https://")):
         status = asyncio.run(_remote_status(target, _secret(args.secret_file)))
     else:
-        path = Path(target) / "status.json"
-        try:
-            status = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise LocalError(
-                f"{target} has no status file: is it a node's data directory, and has the "
-                "node run? (pass an http address to ask a running node directly)"
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise LocalError(f"cannot read {path}: {exc}") from exc
+        status = read_status(Path(target))
     if args.json:
-        print(json.dumps(status, indent=1))
+        from p2ptrain.node.status import encode_status
+
+        print(encode_status(status).decode())
         return 0
-    last = status.get("last_window") or {}
-    print(f"peer       {status['peer_id'][:16]}  roles {', '.join(status['roles'])}")
-    print(f"address    {status.get('address') or 'outbound only'}")
-    print(f"experiment {status['experiment_id']}")
-    print(f"height     {status['height']}  head {status['head_id'][:16]}")
-    links = status["connections"]
-    print(
-        f"peers      {status['peers']} known, {status.get('banned', 0)} banned; connections "
-        f"{links['outbound']} out, {links['inbound']} in"
-    )
-    if last:
-        print(f"last       window {last['height']}: {last['accepted']} accepted ({last['reason']})")
-    open_window = status.get("open_window") or {}
-    if open_window.get("reason"):
-        print(f"open       window {open_window['window']}: {open_window['reason']}")
-    for reason in status.get("reasons", []):
-        print(f"report     {reason}")
+    for line in describe_status(status):
+        print(line)
     return 0
 
 
-async def _remote_status(address: str, secret: bytes | None) -> dict[str, Any]:
+def describe_status(status: NodeStatus) -> list[str]:
+    """``p2ptrain status`` in words."""
+    links = status.connections
+    lines = [
+        f"peer       {status.peer_id[:16]}  roles {', '.join(status.roles)}",
+        f"address    {status.address or 'outbound only'}",
+        f"experiment {status.experiment_id}",
+        f"height     {status.height}  head {status.head_id[:16]}",
+        f"peers      {status.peers} known, {status.banned} banned; connections "
+        f"{links.outbound} out, {links.inbound} in",
+    ]
+    last = status.last_window
+    if last is not None:
+        lines.append(f"last       window {last.height}: {last.accepted} accepted ({last.reason})")
+    for role in status.role_states:
+        failing = f"; {role.failures_in_a_row} failures in a row" if role.failures_in_a_row else ""
+        lines.append(f"{role.role:<10} {role.last_reason}{failing}")
+    if status.trainer is not None:
+        t = status.trainer
+        lines.append(
+            f"trained    window {t.window}: loss {t.loss_before:.3f} -> {t.loss_after:.3f} "
+            f"in {t.seconds:.1f} s"
+        )
+    for error in status.errors[-5:]:
+        lines.append(f"error      {error.role}, {error.describe()}")
+    if status.failed:
+        lines.append(f"FAILED     {status.failed}")
+    lines += [f"report     {reason}" for reason in status.reasons]
+    return lines
+
+
+async def _remote_status(address: str, secret: bytes | None) -> NodeStatus:
     from p2ptrain.core.envelope import open_envelope
     from p2ptrain.core.identity import Identity
     from p2ptrain.core.manifests import NetworkManifest
@@ -303,12 +364,12 @@ async def _remote_status(address: str, secret: bytes | None) -> dict[str, Any]:
         client = PeerClient(ClientCredentials(network.record, Identity.generate(), secret=secret))
         try:
             async with client.request("GET", address, "/v1/status") as response:
-                data: dict[str, Any] = json.loads(await response.read())
+                data = await response.read()
         finally:
             await client.close()
     except (TransportError, ProtocolViolation) as exc:
         raise LocalError(f"cannot get the status of {address}: {exc}") from exc
-    return data
+    return decode_status(data, address)
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Running a node in the foreground: data directory, preparation, workload, signals.
 
-``run_node(settings)`` is what ``p2ptrain seed|train|validate|reduce`` call: it opens the
+``run_node(settings)`` is what ``p2ptrain node|seed|train|validate|reduce|view`` call: it opens the
 data directory, prepares the node (:mod:`.setup`), builds the trainer's workload from the
 experiment manifest (checking that the local model and data are the experiment's), and runs
 until the window target or SIGINT/SIGTERM, which stop it cleanly (connections closed with a
-goodbye, status written, the database closed).
+goodbye, status written, the database closed). A role that failed too often in a row stops
+it the same way, and then :class:`~.failures.RoleFailed` is raised.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
-from typing import Any
 
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.tensors import schema_hash
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.runtime import Node
 from p2ptrain.node.setup import NodeSettings, prepare
+from p2ptrain.node.shell import Node
+from p2ptrain.node.status import NodeStatus
 from p2ptrain.store.datadir import DataDir
+from p2ptrain.store.kernel_build import ensure_kernel
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["WorkloadSource", "check_workload", "experiment_workload", "run_node", "serve"]
@@ -61,10 +64,11 @@ async def serve(
     settings: NodeSettings,
     *,
     workload: WorkloadSource | None = None,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[NodeEvent], None] | None = None,
     on_node: Callable[[Node], None] | None = None,
-) -> dict[str, Any]:
+) -> NodeStatus:
     """Prepare and run a node until it stops; return its final status."""
+    ensure_kernel()  # the C aggregation kernel, built on first use
     with DataDir(settings.data_dir) as datadir:
         store = NodeStore(datadir)
         prepared = await prepare(settings, store)
@@ -93,6 +97,6 @@ async def serve(
 
 
 def run_node(
-    settings: NodeSettings, *, on_event: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
+    settings: NodeSettings, *, on_event: Callable[[NodeEvent], None] | None = None
+) -> NodeStatus:
     return asyncio.run(serve(settings, on_event=on_event))

@@ -3,10 +3,12 @@
 ``p2ptrain demo`` and the integration tests use this. It creates the validators' and
 reducers' identities first (the experiment manifest names their keys), writes the
 experiment definition, starts a seed that signs it, then starts the other nodes against the
-seed. Each node runs ``python -m p2ptrain <role> --json``: its stdout is one JSON event per
-line (``ready``, ``adopted``, ``trained``, ...), read by a thread per process into one
-queue; its stderr goes to ``logs/<name>.log``. Stopping sends SIGINT (a node stops cleanly)
-and escalates to SIGKILL only for a node that does not exit in time.
+seed. Each node runs ``python -m p2ptrain <role> --json`` (``p2ptrain node --role A --role
+B`` for a node of several roles): its stdout is one JSON event per line, read back into
+typed events (:mod:`.events`) by a thread per process into one queue, which ends each
+process's stream with an :class:`~.events.Exited`; its stderr goes to ``logs/<name>.log``.
+Stopping sends SIGINT (a node stops cleanly) and escalates to SIGKILL only for a node that
+does not exit in time.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import Exited, NodeEvent, Ready, decode_event
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
 __all__ = ["LocalNetwork", "NodeProcess", "experiment_toml"]
@@ -41,20 +44,24 @@ _ROLE_COMMAND = {
 @dataclass
 class NodeProcess:
     name: str
-    role: str
+    #: Its roles, the first one naming it (``seed``, ``trainer``, ...).
+    roles: tuple[str, ...]
     data_dir: Path
     process: subprocess.Popen[bytes]
     log: Path
-    ready: dict[str, Any] = field(default_factory=dict)
+    ready: Ready | None = None
+
+    @property
+    def role(self) -> str:
+        return self.roles[0]
 
     @property
     def address(self) -> str | None:
-        address = self.ready.get("address")
-        return None if address is None else str(address)
+        return None if self.ready is None else self.ready.address
 
     @property
     def peer_id(self) -> str:
-        return str(self.ready.get("peer_id", ""))
+        return "" if self.ready is None else self.ready.peer_id
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -126,7 +133,7 @@ class LocalNetwork:
     def __init__(self, workdir: Path, *, python: str = sys.executable) -> None:
         self.workdir = workdir
         self.python = python
-        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.events: queue.Queue[tuple[str, NodeEvent]] = queue.Queue()
         self.nodes: dict[str, NodeProcess] = {}
         self.seed: NodeProcess | None = None
         self.experiment_id: str | None = None
@@ -151,20 +158,28 @@ class LocalNetwork:
     def start(
         self,
         name: str,
-        role: str,
+        role: str | Sequence[str],
         *,
         args: Sequence[str] = (),
         listen: bool | None = None,
         windows: int | None = None,
         env: Mapping[str, str] | None = None,
+        program: Sequence[str] | None = None,
     ) -> NodeProcess:
-        """Start a node (the seed first); it is ready once :meth:`wait_ready` says so."""
-        command = [self.python, "-m", "p2ptrain", _ROLE_COMMAND[role], "--json"]
+        """Start a node (the seed first) of one role or several; it is ready once
+        :meth:`wait_ready` says so. ``program`` replaces ``python -m p2ptrain`` (a program
+        that takes the same arguments)."""
+        roles = (role,) if isinstance(role, str) else tuple(role)
+        command = list(program or [self.python, "-m", "p2ptrain"])
+        if len(roles) == 1:
+            command += [_ROLE_COMMAND[roles[0]], "--json"]
+        else:
+            command += ["node", "--json", *(f"--role={r}" for r in roles)]
         command += ["--dir", str(self.workdir / name)]
         if listen is None:
-            listen = role not in ("trainer", "viewer")
+            listen = any(r not in ("trainer", "viewer") for r in roles)
         command += ["--listen", "127.0.0.1:0" if listen else "none"]
-        if role != "seed":
+        if "seed" not in roles:
             if self.seed is None or self.seed.address is None or self.experiment_id is None:
                 raise LocalError("start the seed (and wait until it is ready) first")
             command += ["--bootstrap", self.seed.address, "--experiment", self.experiment_id]
@@ -182,45 +197,41 @@ class LocalNetwork:
                 env=environment,
                 start_new_session=True,  # Ctrl-C in the terminal reaches us, not them
             )
-        node = NodeProcess(name, role, self.workdir / name, process, log)
+        node = NodeProcess(name, roles, self.workdir / name, process, log)
         self.nodes[name] = node
         assert process.stdout is not None
         threading.Thread(
             target=self._read, args=(name, process.stdout), name=f"events-{name}", daemon=True
         ).start()
-        if role == "seed":
+        if "seed" in roles:
             self.seed = node
         return node
 
     def _read(self, name: str, stream: IO[bytes]) -> None:
         for line in stream:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
+            event = decode_event(line)
+            if event is not None:
                 self.events.put((name, event))
-        self.events.put((name, {"event": "exited"}))
+        code = self.nodes[name].process.wait()
+        self.events.put((name, Exited(peer_id=self.nodes[name].peer_id, returncode=code)))
 
     def wait_ready(self, names: Sequence[str], timeout_s: float = 120.0) -> None:
         """Wait for each named node's ``ready`` event (the seed's also names the experiment)."""
-        waiting = {n for n in names if not self.nodes[n].ready}
+        waiting = {n for n in names if self.nodes[n].ready is None}
         for name, event in self.next_events(timeout_s, until=lambda: not waiting):
-            if event["event"] == "ready" and name in waiting:
+            if isinstance(event, Ready) and name in waiting:
                 self.nodes[name].ready = event
                 waiting.discard(name)
-                if self.nodes[name].role == "seed":
-                    self.experiment_id = str(event["experiment_id"])
-            elif event["event"] == "exited" and name in waiting:
+                if "seed" in self.nodes[name].roles:
+                    self.experiment_id = event.experiment_id
+            elif isinstance(event, Exited) and name in waiting:
                 raise LocalError(
                     f"node {name} exited before it was ready; see {self.nodes[name].log}"
                 )
         if waiting:
             raise LocalError(f"nodes {sorted(waiting)} not ready after {timeout_s:.0f} s")
 
-    def next_events(
-        self, timeout_s: float, until: Any = None
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
+    def next_events(self, timeout_s: float, until: Any = None) -> Iterator[tuple[str, NodeEvent]]:
         """Events as they come, until ``until()`` is true or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while until is None or not until():

@@ -34,6 +34,7 @@ from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
 from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
@@ -49,6 +50,7 @@ class NodeSettings:
     """Everything a node is told by its operator (the CLI builds this from TOML and flags)."""
 
     data_dir: Path
+    #: One or more of :data:`ROLES` (one identity, data directory, server and store).
     roles: tuple[str, ...]
     #: The experiment to join (64 hex), or None on restart / for a seed creating one.
     experiment_id: str | None = None
@@ -72,16 +74,22 @@ class NodeSettings:
     sync_interval_s: float = 2.0
     #: Seconds a blob fetch waits for bytes before failing over.
     fetch_timeout_s: float = 30.0
+    #: A role whose steps fail this many times in a row ends the node.
+    max_role_failures: int = DEFAULT_MAX_FAILURES
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
         if unknown or not self.roles:
-            raise LocalError(f"roles {list(self.roles)}: choose from {', '.join(ROLES)}")
-        machine_roles = [r for r in self.roles if r in ("trainer", "reducer", "validator")]
-        if len(machine_roles) > 1:
+            raise LocalError(f"roles {list(self.roles)}: choose one or more of {', '.join(ROLES)}")
+        object.__setattr__(self, "roles", tuple(dict.fromkeys(self.roles)))
+        if self.max_role_failures < 1:
             raise LocalError(
-                f"one node takes one of trainer, reducer and validator (got {machine_roles}); "
-                "run a second node with its own --dir for the other role"
+                f"--max-role-failures {self.max_role_failures}: use 1 or more (a role that "
+                "fails that many steps in a row stops the node)"
+            )
+        if self.experiment_toml is not None and "seed" not in self.roles:
+            raise LocalError(
+                "--experiment-toml is for the node that creates the network: add --role seed"
             )
         if self.experiment_id is not None and not _is_hex_id(self.experiment_id):
             raise LocalError(f"experiment id {self.experiment_id!r:.80} is not 64 hex digits")

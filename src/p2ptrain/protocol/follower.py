@@ -10,6 +10,8 @@ height ahead starts a catch-up from that peer, verified link by link.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,14 +26,29 @@ from p2ptrain.protocol.actions import Action, Adopted, FetchChain, FetchState, R
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.reduction import BaseState
 
-__all__ = ["Follower"]
+if TYPE_CHECKING:
+    from p2ptrain.protocol.role import RoleStatistics
+
+__all__ = ["Follower", "FollowerStatistics"]
 
 #: The largest weights or optimizer blob a follower decodes (4 GiB).
 MAX_STATE_BYTES = 4 << 30
 
 
+@dataclass(frozen=True, slots=True)
+class FollowerStatistics:
+    height: int
+    adopted_height: int
+    conflicts: int
+    last_reason: str
+
+
 class Follower:
-    """The chain-following part shared by trainers, reducers and validators."""
+    """The chain-following part shared by trainers, reducers and validators (and, alone,
+    the machine of seeds and viewers)."""
+
+    #: What the machine did last, or why the open window has no head yet.
+    last_reason = "following the certified chain"
 
     def __init__(
         self,
@@ -60,6 +77,23 @@ class Follower:
     def _on_base(self, now: float) -> list[Action]:
         """Called after :attr:`base` moved to a new canonical head."""
         return []
+
+    # --- the driver's clock ------------------------------------------------------------
+
+    def next_wakeup(self, now: float) -> float | None:
+        """A follower moves only when something arrives."""
+        return None
+
+    def tick(self, now: float) -> list[Action]:
+        return []
+
+    def statistics(self) -> RoleStatistics:
+        return FollowerStatistics(
+            height=self.chain.height,
+            adopted_height=self.base.head.height,
+            conflicts=len(self.chain.conflicts),
+            last_reason=self.last_reason,
+        )
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -157,6 +191,7 @@ class Follower:
 
     def _adopt(self, now: float, state: BaseState, reason: str) -> list[Action]:
         self.base = state
+        self.last_reason = f"adopted height {state.head.height}: {reason}"
         return [Adopted(state.head, state.head_id, reason), *self._on_base(now)]
 
 

@@ -26,6 +26,7 @@ class TrainerStatistics:
     updates_published: int
     stale_dropped: int
     training_window: int | None
+    last_reason: str
 
 
 class TrainerMachine(Follower):
@@ -43,6 +44,7 @@ class TrainerMachine(Follower):
     def _on_base(self, now: float) -> list[Action]:
         self._training = (self.base.window, self.base.head_id)
         self.windows_trained += 1
+        self.last_reason = f"training window {self.base.window} on {self.base.head_id[:12]}"
         return [Train(self.base.window, self.base.head_id)]
 
     def lease(self, window: int) -> Lease:
@@ -61,6 +63,7 @@ class TrainerMachine(Follower):
         """The driver trained ``window`` from ``base_head`` and encoded ``blob``."""
         if self._training != (window, base_head) or self.base.head_id != base_head:
             self.stale_dropped += 1
+            self.last_reason = f"window {window}: dropped, the head moved while it trained"
             return []
         self._training = None
         lease = self.lease(window)
@@ -78,6 +81,7 @@ class TrainerMachine(Follower):
             loss_after=loss_after,
         )
         self.updates_published += 1
+        self.last_reason = f"published the update of window {window}"
         return [SendUpdate(seal(self.identity, update), blob)]
 
     def statistics(self) -> TrainerStatistics:
@@ -86,4 +90,5 @@ class TrainerMachine(Follower):
             updates_published=self.updates_published,
             stale_dropped=self.stale_dropped,
             training_window=None if self._training is None else self._training[0],
+            last_reason=self.last_reason,
         )

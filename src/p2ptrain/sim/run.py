@@ -41,7 +41,7 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
             })  # fmt: skip
         else:
             reasons = Counter(
-                node.machine.statistics().last_reason  # type: ignore[attr-defined]
+                node.machine.statistics().last_reason
                 for node in world.nodes.values()
                 if node.role == "validator" and node.behaviour == "honest"
             )

@@ -2,9 +2,9 @@
 
 .. code-block:: python
 
-    from p2ptrain.torch import Trainer
+    import p2ptrain
 
-    trainer = Trainer(
+    trainer = p2ptrain.Trainer(
         data_dir="./node", experiment=EXPERIMENT_ID, bootstrap=["http://seed:7700"],
         model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
     )
@@ -17,6 +17,12 @@ node cleanly when the loop ends, breaks or raises. The optimizer is the inner op
 state stays with the trainer across windows and restarts (in the data directory). The
 loaders' datasets must be map-style and match the experiment's dataset shards; their
 sampling is replaced by the lease the protocol assigns each window.
+
+The node can hold other roles too (``roles=("validator",)``, for three friends who each
+train and validate; give it an address to serve on with ``host``). A training step that
+raises is recorded for its window and the trainer goes on with the next; after
+``max_role_failures`` failures in a row :meth:`Trainer.run` raises
+:class:`~p2ptrain.node.failures.RoleFailed` with the last exception as its cause.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from torch.utils.data import DataLoader
 
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import HeadAdopted, NodeEvent, Trained
+from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
+from p2ptrain.node.launch import serve
+from p2ptrain.node.setup import NodeSettings
+from p2ptrain.node.shell import Node
 from p2ptrain.torch.workload import LossFn, TorchWorkload
 
 __all__ = ["Trainer", "WindowOutcome"]
@@ -71,16 +82,26 @@ class Trainer:
         loss_fn: LossFn | None = None,
         secret: bytes | None = None,
         threads: int = 1,
+        roles: Sequence[str] = (),
+        host: str | None = None,
+        port: int = 0,
+        max_role_failures: int = DEFAULT_MAX_FAILURES,
     ) -> None:
+        """``roles``: roles this node holds besides trainer (e.g. ``("validator",)``);
+        ``host``/``port``: serve on this address (None: outbound only, the default for a
+        trainer; a validator or reducer needs one, or a relay)."""
         self._settings: dict[str, Any] = {
             "data_dir": Path(data_dir),
-            "roles": ("trainer",),
+            "roles": ("trainer", *roles),
             "experiment_id": experiment,
             "bootstrap": tuple(bootstrap),
-            "host": None,
+            "host": host,
+            "port": port,
             "secret": secret,
             "threads": threads,
+            "max_role_failures": max_role_failures,
         }
+        NodeSettings(**self._settings)  # check the settings now, not in run()
         self._parts = (model, optimizer, train_loader, val_loader, loss_fn)
 
     def _workload(self, manifest: ExperimentManifest) -> TorchWorkload:
@@ -97,13 +118,11 @@ class Trainer:
         )
 
     def run(self, windows: int | None = None) -> Iterator[WindowOutcome]:
-        """Train until ``windows`` windows are certified (None: until the loop stops)."""
-        from p2ptrain.node.launch import serve
-        from p2ptrain.node.runtime import Node
-        from p2ptrain.node.setup import NodeSettings
-
+        """Train until ``windows`` windows are certified (None: until the loop stops).
+        Raises :class:`~p2ptrain.node.failures.RoleFailed` if a role of the node failed
+        too many steps in a row (the node stopped cleanly first)."""
         settings = NodeSettings(**self._settings, windows=windows)
-        events: queue.Queue[dict[str, Any] | BaseException | None] = queue.Queue()
+        events: queue.Queue[NodeEvent | BaseException | None] = queue.Queue()
         nodes: list[Node] = []
         loop = asyncio.new_event_loop()
 
@@ -129,16 +148,16 @@ class Trainer:
             while (item := events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                if item["event"] == "trained":
-                    last_loss = (float(item["loss_before"]), float(item["loss_after"]))
-                elif item["event"] == "adopted" and nodes:
+                if isinstance(item, Trained):
+                    last_loss = (item.loss_before, item.loss_after)
+                elif isinstance(item, HeadAdopted) and nodes:
                     yield WindowOutcome(
-                        height=int(item["height"]),
-                        head_id=str(item["head_id"]),
-                        accepted=int(item["accepted"]),
+                        height=item.height,
+                        head_id=item.head_id,
+                        accepted=item.accepted,
                         train_loss=last_loss,
-                        bytes_sent=int(nodes[0].status()["bytes_sent"]),
-                        reason=str(item["reason"]),
+                        bytes_sent=nodes[0].status().bytes_sent,
+                        reason=item.reason,
                     )
         finally:
             if nodes and thread.is_alive():

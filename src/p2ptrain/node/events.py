@@ -1,0 +1,139 @@
+"""What a running node tells the program that runs it, as typed records.
+
+A node calls its ``on_event`` callback with one of these as things happen; ``p2ptrain node
+--json`` writes each as one JSON object per line (``{"event": "adopted", ...}``: the tag is
+the ``event`` field), and :func:`decode_event` reads such a line back into its record, so the
+demo, the Trainer API and the tests read fields, never string keys.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "Attested",
+    "Exited",
+    "HeadAdopted",
+    "NodeEvent",
+    "PeerReported",
+    "Published",
+    "Ready",
+    "RoleFailure",
+    "Stopped",
+    "Trained",
+    "decode_event",
+    "encode_event",
+]
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
+    #: The node that said it ("" for :class:`Exited`, which its parent says).
+    peer_id: str
+
+
+class Ready(_Event, tag="ready", frozen=True):
+    """The node is up: serving at ``address`` (None: outbound only) at ``height``."""
+
+    address: str | None
+    experiment_id: str
+    height: int
+    roles: tuple[str, ...] = ()
+
+
+class HeadAdopted(_Event, tag="adopted", frozen=True):
+    """The node adopted a newly certified head (once per height, whatever its roles)."""
+
+    height: int
+    head_id: str
+    accepted: int
+    quarantined: int
+    reason: str
+    #: Seconds since the node adopted the previous head (or started).
+    seconds: float
+
+
+class Trained(_Event, tag="trained", frozen=True):
+    """The trainer ran a window's inner steps and encoded its update."""
+
+    window: int
+    loss_before: float
+    loss_after: float
+    seconds: float
+    blob_bytes: int
+
+
+class Published(_Event, tag="published", frozen=True):
+    """The trainer's update for ``window`` went out."""
+
+    window: int
+    update_id: str
+    bytes: int
+
+
+class Attested(_Event, tag="attested", frozen=True):
+    """This validator signed the head ``head_id`` at ``height``."""
+
+    height: int
+    head_id: str
+
+
+class PeerReported(_Event, tag="reported", frozen=True):
+    """A peer sent something proven bad (counted against it)."""
+
+    peer: str
+    reason: str
+
+
+class RoleFailure(_Event, tag="role_error", frozen=True):
+    """A step of one of the node's roles raised; the role goes on with the next window
+    until ``failures`` reaches ``limit`` in a row, when the node stops."""
+
+    role: str
+    window: int
+    step: str
+    error: str
+    message: str
+    failures: int
+    limit: int
+
+
+class Stopped(_Event, tag="stopped", frozen=True):
+    """The node stopped at ``height`` (``failed``: why, if a role ended it)."""
+
+    height: int
+    failed: str | None = None
+
+
+class Exited(_Event, tag="exited", frozen=True):
+    """A node process's event stream ended (said by the parent that ran it)."""
+
+    returncode: int | None = None
+
+
+NodeEvent = (
+    Ready
+    | HeadAdopted
+    | Trained
+    | Published
+    | Attested
+    | PeerReported
+    | RoleFailure
+    | Stopped
+    | Exited
+)
+
+_decoder = msgspec.json.Decoder(NodeEvent)
+
+
+def encode_event(event: NodeEvent) -> bytes:
+    """One JSON object, no newline."""
+    return msgspec.json.encode(event)
+
+
+def decode_event(line: bytes | str) -> NodeEvent | None:
+    """The event on ``line`` (None for anything else: a log line, an unknown event)."""
+    try:
+        event: NodeEvent = _decoder.decode(line)
+    except msgspec.DecodeError:
+        return None
+    return event

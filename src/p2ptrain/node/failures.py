@@ -1,0 +1,93 @@
+"""Failures that show: what a role does when one of its steps raises something unexpected.
+
+A step (training a window, a participant's tick, handling a record, a fetch) that raises an
+exception nobody expected -- not a transport fault, not a peer's bad bytes, which the steps
+handle themselves -- is recorded as that window's :class:`RoleError`: logged with its
+traceback, shown in ``p2ptrain status`` and sent as a ``role_error`` event. The role goes on
+with the next window. A success of the role's main step (a trained window, a tick) clears
+the count; ``limit`` failures in a row end the node with :class:`RoleFailed`, which names the
+role, the last error and what to do, and carries the last exception as its cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from p2ptrain.errors import LocalError
+from p2ptrain.node.status import RoleError
+
+__all__ = ["DEFAULT_MAX_FAILURES", "FailureBook", "RoleFailed"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FAILURES = 3
+#: Role errors a node keeps to show (the oldest go first).
+_KEPT = 10
+
+_ADVICE = {
+    "trainer": "check the workload (the model's forward pass, the loss function, the data "
+    "loader's samples) with the traceback in the log",
+}
+
+
+class RoleFailed(LocalError):
+    """A role failed ``limit`` steps in a row; the node stopped."""
+
+    exit_code = 3
+
+    def __init__(self, role: str, errors: list[RoleError], limit: int) -> None:
+        last = errors[-1]
+        windows = ", ".join(str(w) for w in dict.fromkeys(e.window for e in errors))
+        advice = _ADVICE.get(role, "the traceback is in the log")
+        super().__init__(
+            f"the {role} role failed {limit} times in a row (windows {windows}); last error "
+            f"in window {last.window} while {last.step}: {last.error}: {last.message}. The "
+            f"node stopped: fix the cause ({advice}) and start it again on the same data "
+            "directory (--max-role-failures N tolerates more failures in a row)"
+        )
+        self.role = role
+        self.error = last
+
+
+class FailureBook:
+    """The role errors of one node, and each role's failures in a row."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_FAILURES) -> None:
+        if limit < 1:
+            raise LocalError(f"max role failures {limit}: use 1 or more")
+        self.limit = limit
+        self.recent: deque[RoleError] = deque(maxlen=_KEPT)
+        self._in_a_row: dict[str, list[RoleError]] = {}
+
+    def failed(self, role: str, window: int, step: str, exc: BaseException) -> RoleError:
+        """Record ``exc``; the caller ends the role once :meth:`exhausted` says so."""
+        error = RoleError(
+            role=role,
+            window=window,
+            step=step,
+            error=type(exc).__name__,
+            message=str(exc) or repr(exc),
+            at=time.time(),
+        )
+        logger.error(
+            "%s, window %d, %s: %s: %s", role, window, step, error.error, error.message,
+            exc_info=exc,
+        )  # fmt: skip
+        self.recent.append(error)
+        self._in_a_row.setdefault(role, []).append(error)
+        return error
+
+    def succeeded(self, role: str) -> None:
+        self._in_a_row.pop(role, None)
+
+    def in_a_row(self, role: str) -> int:
+        return len(self._in_a_row.get(role, ()))
+
+    def exhausted(self, role: str) -> RoleFailed | None:
+        """The error that ends the node, once ``role`` failed ``limit`` times in a row."""
+        errors = self._in_a_row.get(role, [])
+        if len(errors) < self.limit:
+            return None
+        return RoleFailed(role, errors[-self.limit :], self.limit)

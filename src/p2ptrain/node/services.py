@@ -1,0 +1,237 @@
+"""The peer services every role runner of a node shares: one network, one store.
+
+Below the runners (they import this module, never each other), above the network layer:
+
+* **providers** -- whom to ask for a blob or a record: the peers named first, then the
+  seeds, then every reachable peer we know, each verified by hash, none trusted;
+* **fetch with blame** -- blobs through the verifying :class:`BlobFetcher` (a provider that
+  serves bytes with another hash is reported by its signed peer record), update records by
+  id, a head's weights, a catch-up chain;
+* **key lookup** -- the public key behind a peer id or an address;
+* **reporting** -- a peer proven to misbehave is logged, struck and shown in the status;
+* **publishing** -- a record goes out on the experiment's topic, and to the node's other
+  roles (gossip never hands a node its own messages);
+* **records** -- the signed updates and proposals a node that serves keeps for its peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
+from p2ptrain.core.encoding import encode
+from p2ptrain.core.envelope import Signed, open_envelope
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.records import Head, PeerRecord, Update
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered
+from p2ptrain.net.node import NetNode
+from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.node.events import NodeEvent, PeerReported
+from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.status import PeerReport
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.role import RoleMachine
+
+__all__ = ["CatchUp", "PeerServices", "experiment_topic"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_PROVIDERS = 8
+_RECENT_REPORTS = 20
+
+#: A verified catch-up answer: the certified links and the last one's state blobs.
+CatchUp = tuple[list[tuple[Head, QuorumCertificate]], bytes, bytes | None, bytes]
+
+
+def experiment_topic(experiment_id: str) -> str:
+    return f"exp/{experiment_id}"
+
+
+class PeerServices:
+    """What the runners of one node share. ``attach`` it to the network before use."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        store: NodeStore,
+        experiment_id: str,
+        bootstrap: Sequence[str],
+        keeps_records: bool,
+        emit: Callable[[NodeEvent], None],
+    ) -> None:
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.store = store
+        self.experiment_id = experiment_id
+        self.topic = experiment_topic(experiment_id)
+        self.bootstrap = tuple(bootstrap)
+        #: Trainers and viewers relay records, but nobody asks them for any.
+        self.keeps_records = keeps_records
+        self.emit = emit
+        self.reports: deque[PeerReport] = deque(maxlen=_RECENT_REPORTS)
+        self.rng = random.Random()
+        #: Set by the node: hands what one role published to its other roles.
+        self.deliver_locally: Callable[[Delivered, object], None] = lambda *_: None
+        #: Set by the node: a role's machine adopted a head.
+        self.on_adopted: Callable[[RoleMachine, act.Adopted], None] = lambda *_: None
+        self._net: NetNode | None = None
+        self._fetcher: BlobFetcher | None = None
+        self._catching_up = asyncio.Lock()
+
+    def attach(self, net: NetNode, fetch_timeout_s: float) -> None:
+        self._net = net
+        self._fetcher = BlobFetcher(
+            net.client, self.store.blobs, timeout_s=fetch_timeout_s, on_bad_provider=self._bad
+        )
+
+    @property
+    def net(self) -> NetNode:
+        if self._net is None:
+            raise LocalError("the node is not running")
+        return self._net
+
+    # -- publishing and records -----------------------------------------------------------
+
+    def publish(self, kind: str, record: Signed[Any] | CertifiedLink, origin: object) -> None:
+        """Send ``record`` to the peers, and to the node's roles other than ``origin``."""
+        data = encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
+        payload = bytes(data)
+        self.net.publish(self.topic, kind, payload)
+        self.deliver_locally(Delivered(self.topic, kind, payload, record, from_peer=""), origin)
+
+    def publish_certificate(
+        self, head: Head, certificate: QuorumCertificate, origin: object
+    ) -> None:
+        link = CertifiedLink(head=head, certificate=certificate)
+        self.publish(CERTIFICATE_KIND, link, origin)
+
+    def remember(self, signed: Signed[Any], kind: str, height: int) -> None:
+        """Keep a signed record peers may ask for by id (nodes that serve)."""
+        if not self.keeps_records:
+            return
+        self.store.put_signed(
+            signed.record_id, kind, bytes(signed.envelope.encode()), self.experiment_id, height
+        )
+
+    # -- whom to ask ----------------------------------------------------------------------
+
+    def providers(self, first: Sequence[str] = ()) -> list[str]:
+        """Addresses to fetch blobs and records from: the peers named first, then seeds,
+        then every reachable peer we know (each verified by hash, none trusted)."""
+        net = self.net
+        addresses = [a for p in first if (a := net.address_of(p)) is not None]
+        addresses += self.bootstrap
+        others = [a for s in net.peers if (a := net.address_of(s.record.peer_id)) is not None]
+        self.rng.shuffle(others)
+        addresses += others
+        own = net.address
+        unique = [a for a in dict.fromkeys(addresses) if a != own]
+        return unique[:_MAX_PROVIDERS]
+
+    def key_of(self, peer_id: str) -> bytes:
+        signed = self.net.peers.get(peer_id) if peer_id else None
+        return self.identity.public_key if signed is None else signed.record.public_key
+
+    def record_at(self, address: str) -> PeerRecord | None:
+        """The signed record of the peer that advertises ``address``, if we know it."""
+        for signed in self.net.peers:
+            if address in signed.record.addresses:
+                return signed.record
+        return None
+
+    def key_at(self, address: str) -> bytes:
+        record = self.record_at(address)
+        return self.identity.public_key if record is None else record.public_key
+
+    # -- fetching -------------------------------------------------------------------------
+
+    async def fetch_blob(
+        self, blob_id: str, first: Sequence[str] = (), size: int | None = None
+    ) -> bytes:
+        blobs = self.store.blobs
+        if not blobs.has(blob_id):
+            providers = self.providers(first)
+            if not providers:
+                raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
+            assert self._fetcher is not None
+            await self._fetcher.fetch(blob_id, providers, size=size)
+        return bytes(blobs.get(blob_id))
+
+    async def fetch_head_blobs(
+        self, head: Head, first: Sequence[str] = ()
+    ) -> tuple[bytes, bytes | None]:
+        weights = await self.fetch_blob(head.weights_blob, first)
+        optimizer = None
+        if head.optimizer_blob is not None:
+            optimizer = await self.fetch_blob(head.optimizer_blob, first)
+        return weights, optimizer
+
+    async def fetch_update_record(self, update_id: str, proposer: str) -> Signed[Update] | None:
+        """The signed update ``update_id``, from our store or a peer (the proposer first);
+        a peer that serves anything else is reported."""
+        raw = self.store.record(update_id)
+        if raw is not None:
+            return open_envelope(raw, Update)
+        for address in self.providers([proposer]):
+            try:
+                raw = await self.net.client.record(address, update_id)
+                signed = open_envelope(raw, Update)
+                if signed.record_id != update_id:
+                    raise ProtocolViolation(f"asked for update {update_id[:12]}, got another")
+                return signed
+            except TransportError as exc:
+                logger.info("record %s from %s: %s", update_id[:12], address, exc)
+            except ProtocolViolation as exc:
+                self.blame(address, f"served a bad update record: {exc}")
+        return None
+
+    async def fetch_chain(self, above: int, address: str | None = None) -> CatchUp | None:
+        """Certified heads above height ``above`` from a peer (``address``, or each
+        provider in turn) and the last one's state; None if nobody has more. The links are
+        checked by the machine that receives them, the blobs by hash on arrival."""
+        if self._catching_up.locked():
+            return None
+        async with self._catching_up:
+            for provider in [address] if address else self.providers():
+                try:
+                    links = await self.net.client.head_links(provider, self.experiment_id, above)
+                except (TransportError, ProtocolViolation) as exc:
+                    logger.debug("catch-up from %s: %s", provider, exc)
+                    continue
+                links = [(h, c) for h, c in links if h.height > above]
+                if not links:
+                    continue
+                try:
+                    weights, optimizer = await self.fetch_head_blobs(links[-1][0])
+                except (TransportError, ProtocolViolation) as exc:
+                    logger.info("catch-up weights: %s", exc)
+                    continue
+                return links, weights, optimizer, self.key_at(provider)
+        return None
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def report(self, peer_id: str, reason: str) -> None:
+        logger.warning("peer %s: %s", peer_id[:16], reason)
+        self.reports.append(PeerReport(peer=peer_id, reason=reason))
+        if len(peer_id) == 64 and peer_id != self.peer_id:
+            self.net.strike(peer_id, reason)
+        self.emit(PeerReported(peer_id=self.peer_id, peer=peer_id, reason=reason))
+
+    def blame(self, address: str, reason: str) -> None:
+        """Report the peer at ``address`` (by its signed record), or log the address."""
+        record = self.record_at(address)
+        if record is None:
+            logger.warning("%s %s", address, reason)
+        else:
+            self.report(record.peer_id, reason)
+
+    def _bad(self, address: str, reason: str) -> None:
+        self.blame(address, f"served a bad blob: {reason}")

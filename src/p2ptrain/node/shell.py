@@ -1,0 +1,480 @@
+"""The running node: a thin shell around one runner per role.
+
+A :class:`Node` owns the network (:class:`~p2ptrain.net.node.NetNode`: server, gossip,
+discovery), its data directory and the :class:`~.services.PeerServices` its roles share, and
+holds one runner per role machine (DESIGN §2):
+
+* ``trainer`` -- :class:`~.trainer_runner.TrainerRunner` (a :class:`TrainerMachine`);
+* ``reducer`` / ``validator`` -- :class:`~.participant_runner.ParticipantRunner` (one
+  :class:`Participant`; a validator that is also a reducer proposes in its slot);
+* ``seed`` / ``viewer`` alone -- a plain :class:`~.runner.RoleRunner` around a
+  :class:`Follower` that keeps each certified head's weights to serve and export.
+
+One identity, one server, one store. The shell checks every gossip message against the
+experiment (the topic validator), keeps the records a serving node keeps, and hands each
+message to every runner; what one role publishes reaches the others too. It persists each
+certified head once (whichever role adopted it first), emits one ``adopted`` event per
+height, answers ``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
+whether the chain moved past it, and writes ``status.json``.
+
+Its runners own their tasks (:mod:`.runner`); a role that fails too often in a row ends
+:meth:`Node.run` with :class:`~.failures.RoleFailed` after the node stopped cleanly.
+
+Persistence happens before the action that depends on it; a node started again on its data
+directory re-verifies its stored chain from genesis and resumes from the last certified head
+it adopted, then catches up with its peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from p2ptrain.aggregate.codecs import max_update_bytes
+from p2ptrain.core.certificate import CertifiedLink
+from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.core.tensors import schema_of
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.config import NetConfig
+from p2ptrain.net.content import Answer, text_answer
+from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered
+from p2ptrain.net.node import NetNode
+from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, RoleFailure, Stopped
+from p2ptrain.node.failures import FailureBook, RoleFailed
+from p2ptrain.node.participant_runner import ParticipantRunner
+from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.runner import RoleRunner
+from p2ptrain.node.services import PeerServices
+from p2ptrain.node.setup import NodeSettings, Prepared
+from p2ptrain.node.status import (
+    STATUS_FILE,
+    Connections,
+    LastWindow,
+    NodeStatus,
+    OpenWindow,
+    encode_status,
+)
+from p2ptrain.node.trainer_runner import TrainerRunner
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.role import RoleMachine
+from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.store.atomic import write_atomically
+from p2ptrain.torch.workload import Workload
+
+__all__ = ["Node"]
+
+logger = logging.getLogger(__name__)
+
+_EXPERIMENT_KINDS = ("update", "proposal", "attestation", CERTIFICATE_KIND)
+_SERVING_ROLES = frozenset({"seed", "reducer", "validator"})
+_STATUS_EVERY_S = 2.0
+#: After its last window a serving node stays up until no blob was fetched for this long
+#: (peers fetch the last head's weights), and never longer than the maximum.
+_LINGER_QUIET_S = 3.0
+_LINGER_MAX_S = 30.0
+
+
+class Node:
+    """One node. ``await node.run()`` until :meth:`stop` (or the ``windows`` target)."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        prepared: Prepared,
+        store: NodeStore,
+        *,
+        workload: Workload | None = None,
+        on_event: Callable[[NodeEvent], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.identity = prepared.identity
+        self.peer_id = prepared.identity.peer_id
+        self.network = prepared.network
+        self.manifest = prepared.experiment.record
+        self.experiment_id = prepared.experiment.record_id
+        self.store = store
+        self._on_event = on_event
+        self._stop = asyncio.Event()
+        self._target_reached = False
+        self._stored_height = 0
+        self._adopted_height = 0
+        self._last_window: LastWindow | None = None
+        self._window_started = time.monotonic()
+        self._failed: RoleFailed | None = None
+        roles = set(settings.roles)
+        self.failures = FailureBook(settings.max_role_failures)
+        self.services = PeerServices(
+            identity=self.identity,
+            store=store,
+            experiment_id=self.experiment_id,
+            bootstrap=settings.bootstrap,
+            keeps_records=bool(roles - {"trainer"}),
+            emit=self._emit,
+        )
+        self.services.deliver_locally = self._deliver_locally
+        self.services.on_adopted = self._adopted
+        self._keeps_updates = bool(roles & _SERVING_ROLES)
+        self.runners = self._runners(prepared, workload)
+        self._max_update = max_update_bytes(self.manifest.codec, schema_of(prepared.genesis))
+        self._net: NetNode | None = None
+
+    def _runners(self, prepared: Prepared, workload: Workload | None) -> list[RoleRunner]:
+        roles = set(self.settings.roles)
+        genesis = prepared.genesis
+        key = self.identity.public_key
+        runners: list[RoleRunner] = []
+        args = (self.services, self.failures, self._emit)
+        if roles & {"validator", "reducer"}:
+            validator = "validator" in roles
+            if validator and key not in self.manifest.validators:
+                raise LocalError(
+                    f"this node's key {key.hex()} is not a validator of experiment "
+                    f"{self.experiment_id[:16]}; add it to the experiment's validators (a new "
+                    "revision) or run this node without --role validator"
+                )
+            if not validator and key not in self.manifest.reducers:
+                raise LocalError(
+                    f"this node's key {key.hex()} is not a reducer of experiment "
+                    f"{self.experiment_id[:16]}; add it to the experiment's reducers"
+                )
+            participant = Participant(
+                self.manifest,
+                self.identity,
+                genesis,
+                validator=validator,
+                reducers=self.manifest.reducers,
+                now=time.monotonic(),
+            )
+            participant.votes.update(self.store.votes())
+            runners.append(ParticipantRunner(participant, *args))
+        if "trainer" in roles:
+            if workload is None:
+                raise LocalError("a trainer needs a workload (the model and data to train)")
+            machine = TrainerMachine(self.manifest, self.identity, genesis)
+            runners.append(TrainerRunner(machine, workload, *args))
+        if not runners:  # a seed or viewer: follow the chain, keep the weights
+            role = "seed" if "seed" in roles else "viewer"
+            follower = Follower(self.manifest, self.identity, genesis)
+            runners.append(RoleRunner(role, follower, *args))
+        return runners
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    @property
+    def net(self) -> NetNode:
+        if self._net is None:
+            raise LocalError("the node is not running")
+        return self._net
+
+    @property
+    def height(self) -> int:
+        """The highest certified head the node holds."""
+        return max(r.machine.chain.height for r in self.runners)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (safe from a signal handler on the loop)."""
+        self._stop.set()
+
+    async def run(self) -> NodeStatus:
+        """Run until stopped; return the final status. Raises :class:`RoleFailed` (after
+        stopping cleanly) when a role failed too many steps in a row."""
+        s = self.settings
+        config = NetConfig(
+            host=s.host, port=s.port, advertise=s.advertise, bootstrap=s.bootstrap, mdns=s.mdns
+        )
+        torch.set_num_threads(max(1, s.threads))
+        net = NetNode(
+            identity=self.identity,
+            network=self.network.record,
+            blobs=self.store.blobs,
+            config=config,
+            roles=s.roles,
+            secret=s.secret,
+            relay=s.relay,
+        )
+        self._net = net
+        self.services.attach(net, s.fetch_timeout_s)
+        handlers = net.content.handlers
+        handlers["/v1/records/"] = self._answer_record
+        handlers["/v1/status"] = self._answer_status
+        handlers["/v1/network"] = self._answer_network
+        async with net:
+            net.serve_chain(self._serving().machine.chain)
+            net.gossip.subscribe(self.services.topic, self._on_message, self._check_message)
+            self._restore()
+            self._emit(
+                Ready(
+                    peer_id=self.peer_id,
+                    address=net.address,
+                    experiment_id=self.experiment_id,
+                    height=self.height,
+                    roles=tuple(s.roles),
+                )
+            )
+            self._check_target()
+            await self._run_roles()
+            if self._target_reached and self._failed is None:
+                await self._linger()
+            status = self.status()
+            self._write_status(status)
+        failed = None if self._failed is None else str(self._failed)
+        self._emit(Stopped(peer_id=self.peer_id, height=self.height, failed=failed))
+        if self._failed is not None:
+            raise self._failed
+        return status
+
+    def _serving(self) -> RoleRunner:
+        """The runner whose chain the node serves to catching-up peers (the one ahead)."""
+        return max(self.runners, key=lambda r: r.machine.chain.height)
+
+    async def _run_roles(self) -> None:
+        """The runners and the node's own tasks, until stopped or a role failed."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for runner in self.runners:
+                    group.create_task(runner.run(), name=runner.role)
+                group.create_task(self._sync_forever(), name="sync")
+                group.create_task(self._status_forever(), name="status")
+                await self._stop.wait()
+                raise _Stopping
+        except* _Stopping:
+            pass
+        except* RoleFailed as failures:
+            first = failures.exceptions[0]
+            assert isinstance(first, RoleFailed)
+            self._failed = first
+            logger.error("%s", first)
+
+    def _restore(self) -> None:
+        """Resume from the stored chain (verified again from genesis), or start fresh."""
+        now = time.monotonic()
+        links = self.store.links(self.experiment_id)
+        if links:
+            tip = links[-1][0]
+            try:
+                weights = bytes(self.store.blobs.get(tip.weights_blob))
+                optimizer = (
+                    None
+                    if tip.optimizer_blob is None
+                    else bytes(self.store.blobs.get(tip.optimizer_blob))
+                )
+            except (OSError, ProtocolViolation) as exc:
+                raise LocalError(
+                    f"the weights of stored head {tip.height} are missing or damaged ({exc}); "
+                    "move the data directory away and join again"
+                ) from exc
+            self._stored_height = tip.height
+            for runner in self.runners:
+                actions = runner.machine.receive_chain(
+                    now, links, weights, optimizer, self.identity.public_key
+                )
+                if runner.machine.chain.height != tip.height:
+                    raise LocalError(
+                        f"the stored chain in {self.settings.data_dir} does not verify "
+                        f"({actions}); move the data directory away and join again"
+                    )
+                runner.carry_out(actions)
+            logger.info("resumed at height %d (head %s)", tip.height, tip.id[:12])
+        for runner in self.runners:
+            runner.start(now)
+
+    # -- gossip in ------------------------------------------------------------------------
+
+    def _check_message(self, message: Delivered) -> str | None:
+        """The topic validator: None to accept and forward, else why not (a strike)."""
+        if message.kind not in _EXPERIMENT_KINDS:
+            return f"{message.kind!r} does not travel on an experiment topic"
+        record = message.record
+        if isinstance(record, CertifiedLink):
+            verdict = record.check(self.manifest, self.experiment_id)
+            return None if verdict else f"bad certificate: {verdict.reason}"
+        inner = record.record
+        if getattr(inner, "experiment_id", None) != self.experiment_id:
+            return "record for another experiment"
+        if isinstance(inner, Update):
+            if inner.delta_bytes > self._max_update or inner.codec != self.manifest.codec.name:
+                return "update blob too large or in the wrong codec"
+        elif isinstance(inner, Attestation) and inner.validator not in self.manifest.validators:
+            return "attestation from a key that is not a validator"
+        return None
+
+    def _on_message(self, message: Delivered) -> None:
+        record = message.record
+        if not isinstance(record, CertifiedLink):
+            inner = record.record
+            if isinstance(inner, Update) and self._keeps_updates:
+                self.services.remember(record, "update", inner.window)
+            elif isinstance(inner, Proposal):
+                self.services.remember(record, "proposal", inner.window)
+        for runner in self.runners:
+            runner.receive(message)
+
+    def _deliver_locally(self, message: Delivered, origin: object) -> None:
+        for runner in self.runners:
+            if runner is not origin:
+                runner.receive(message)
+
+    # -- adoption -------------------------------------------------------------------------
+
+    def _adopted(self, machine: RoleMachine, action: act.Adopted) -> None:
+        """A role's machine adopted a head: store it (once), tell whoever listens (once)."""
+        state = machine.state_of(action.head_id)
+        if state is not None:
+            for blob in state:
+                if blob is not None:
+                    self.store.blobs.put(blob)
+        for height in range(self._stored_height + 1, machine.chain.height + 1):
+            link = machine.chain.at(height)
+            if link is not None and link.certificate is not None:
+                self.store.put_link(link.head, link.certificate)
+                self._stored_height = height
+        head = action.head
+        if head.height > self._adopted_height:
+            self._adopted_height = head.height
+            now = time.monotonic()
+            window = LastWindow(
+                height=head.height,
+                head_id=action.head_id,
+                accepted=len(head.accepted),
+                quarantined=len(head.quarantine),
+                reason=action.reason,
+                seconds=round(now - self._window_started, 2),
+            )
+            self._last_window, self._window_started = window, now
+            self._emit(
+                HeadAdopted(
+                    peer_id=self.peer_id,
+                    height=window.height,
+                    head_id=window.head_id,
+                    accepted=window.accepted,
+                    quarantined=window.quarantined,
+                    reason=window.reason,
+                    seconds=window.seconds,
+                )
+            )
+            self._write_status(self.status())
+        self._check_target()
+
+    def _check_target(self) -> None:
+        target = self.settings.windows
+        if target is None:
+            return
+        if all(r.machine.base.head.height >= target for r in self.runners):
+            self._target_reached = True
+            self._stop.set()
+
+    async def _linger(self) -> None:
+        """The last window is done: peers may still need its head's weights from us, so a
+        node that serves keeps serving until nobody has fetched a blob for a while."""
+        server = self.net.statistics().server
+        if server is None:
+            return
+        started = last_change = time.monotonic()
+        served = server.blobs_served
+        while time.monotonic() - last_change < _LINGER_QUIET_S:
+            if time.monotonic() - started > _LINGER_MAX_S:
+                return
+            await asyncio.sleep(0.25)
+            now_served = self.net.statistics().server
+            if now_served is not None and now_served.blobs_served != served:
+                served, last_change = now_served.blobs_served, time.monotonic()
+
+    # -- timers ---------------------------------------------------------------------------
+
+    async def _sync_forever(self) -> None:
+        """Missed a certificate (or restarted)? Ask a peer now and then whether the chain
+        moved past us; answers are verified link by link by each role's machine."""
+        rng = self.services.rng
+        while True:
+            providers = self.services.providers()
+            if providers:
+                above = min(r.machine.chain.height for r in self.runners)
+                with contextlib.suppress(TransportError):
+                    answer = await self.services.fetch_chain(above, rng.choice(providers))
+                    if answer is not None:
+                        for runner in self.runners:
+                            runner.offer_chain(*answer)
+            await asyncio.sleep(self.settings.sync_interval_s * (0.75 + rng.random() / 2))
+
+    async def _status_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_STATUS_EVERY_S)
+            self._write_status(self.status())
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self) -> NodeStatus:
+        net = self._net
+        serving = self._serving().machine
+        adopted = max((r.machine for r in self.runners), key=lambda m: m.base.head.height)
+        tip = serving.chain.tip
+        bytes_sent = peers = banned = 0
+        connections = Connections()
+        if net is not None:
+            n = net.statistics()
+            bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
+            peers, banned = n.peers.peers, n.peers.banned
+            connections = Connections(outbound=n.outbound, inbound=n.inbound)
+        reasons = [r.machine.last_reason for r in self.runners]
+        trainer = next((r for r in self.runners if isinstance(r, TrainerRunner)), None)
+        return NodeStatus(
+            peer_id=self.peer_id,
+            roles=tuple(self.settings.roles),
+            address=None if net is None else net.address,
+            experiment_id=self.experiment_id,
+            height=tip.head.height,
+            head_id=tip.head_id,
+            adopted_head_id=adopted.base.head_id,
+            peers=peers,
+            banned=banned,
+            connections=connections,
+            last_window=self._last_window,
+            # what the open window is doing or why it has no head yet
+            open_window=OpenWindow(window=tip.head.height + 1, reason="; ".join(reasons)),
+            role_states=tuple(r.state() for r in self.runners),
+            errors=tuple(self.failures.recent),
+            failed=None if self._failed is None else str(self._failed),
+            reports=tuple(self.services.reports),
+            trainer=None if trainer is None else trainer.last,
+            bytes_sent=bytes_sent,
+            pid=os.getpid(),
+        )
+
+    def _write_status(self, status: NodeStatus) -> None:
+        try:
+            write_atomically(self.settings.data_dir / STATUS_FILE, encode_status(status))
+        except LocalError as exc:
+            logger.warning("%s", exc)
+
+    def _answer_status(self, target: str) -> Answer:
+        body = encode_status(self.status())
+        return Answer(200, {"Content-Type": "application/json"}, body)
+
+    def _answer_record(self, target: str) -> Answer:
+        record_id = target.split("?", maxsplit=1)[0].rsplit("/", 1)[-1]
+        raw = self.store.record(record_id) if len(record_id) == 64 else None
+        if raw is None:
+            return text_answer(404, f"this node does not hold record {record_id[:64]}")
+        return Answer(200, {"Content-Type": "application/msgpack"}, raw)
+
+    def _answer_network(self, target: str) -> Answer:
+        body = bytes(self.network.envelope.encode())
+        return Answer(200, {"Content-Type": "application/msgpack"}, body)
+
+    def _emit(self, event: NodeEvent) -> None:
+        if self._on_event is not None:
+            self._on_event(event)
+        if isinstance(event, RoleFailure):
+            self._write_status(self.status())
+
+
+class _Stopping(Exception):
+    """Ends the node's task group when :meth:`Node.stop` was called."""

@@ -1,0 +1,161 @@
+"""A node's status as one frozen record: what ``p2ptrain status`` shows and the node writes.
+
+The node writes its :class:`NodeStatus` to ``status.json`` in its data directory (every two
+seconds, at each certified window and when it stops) and answers it at ``GET /v1/status``;
+:func:`read_status` and :func:`decode_status` read either back into the record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from p2ptrain.errors import LocalError
+
+__all__ = [
+    "STATUS_FILE",
+    "Connections",
+    "LastWindow",
+    "NodeStatus",
+    "OpenWindow",
+    "PeerReport",
+    "RoleError",
+    "RoleState",
+    "TrainerWindow",
+    "decode_status",
+    "encode_status",
+    "read_status",
+]
+
+STATUS_FILE = "status.json"
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class Connections(_Record, frozen=True):
+    outbound: int = 0
+    inbound: int = 0
+
+
+class LastWindow(_Record, frozen=True):
+    """The last window this node saw certified."""
+
+    height: int
+    head_id: str
+    accepted: int
+    quarantined: int
+    reason: str
+    seconds: float
+
+
+class OpenWindow(_Record, frozen=True):
+    """The window after the node's head, and what its roles are doing about it."""
+
+    window: int
+    reason: str | None
+
+
+class TrainerWindow(_Record, frozen=True):
+    """The trainer's last trained window."""
+
+    window: int
+    loss_before: float
+    loss_after: float
+    seconds: float
+    blob_bytes: int
+
+
+class RoleError(_Record, frozen=True):
+    """An unexpected exception in a step of a role: which role, window and step, and what."""
+
+    role: str
+    window: int
+    step: str
+    error: str  # the exception's type
+    message: str
+    at: float  # unix time
+
+    def describe(self) -> str:
+        return f"window {self.window}, {self.step}: {self.error}: {self.message}"
+
+
+class RoleState(_Record, frozen=True):
+    """One role of the node: what it is doing and how many of its steps failed in a row."""
+
+    role: str
+    last_reason: str
+    failures_in_a_row: int
+    statistics: dict[str, Any]
+
+
+class PeerReport(_Record, frozen=True):
+    peer: str
+    reason: str
+
+
+class NodeStatus(_Record, frozen=True):
+    peer_id: str
+    roles: tuple[str, ...]
+    address: str | None
+    experiment_id: str
+    #: The highest certified head the node holds (``head_id``) and the one its roles build
+    #: on (``adopted_head_id``: they differ while its weights are being fetched).
+    height: int
+    head_id: str
+    adopted_head_id: str
+    peers: int = 0
+    banned: int = 0
+    connections: Connections = Connections()
+    last_window: LastWindow | None = None
+    open_window: OpenWindow | None = None
+    role_states: tuple[RoleState, ...] = ()
+    #: Recent role errors, oldest first (the last few).
+    errors: tuple[RoleError, ...] = ()
+    #: Why a role ended the node, once it did.
+    failed: str | None = None
+    reports: tuple[PeerReport, ...] = ()
+    trainer: TrainerWindow | None = None
+    bytes_sent: int = 0
+    pid: int = 0
+
+    @property
+    def reasons(self) -> list[str]:
+        """The last few reasons peers were reported for."""
+        return [r.reason for r in self.reports[-5:]]
+
+
+_decoder = msgspec.json.Decoder(NodeStatus)
+
+
+def encode_status(status: NodeStatus) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(status), indent=1)
+
+
+def decode_status(data: bytes | str, where: str) -> NodeStatus:
+    try:
+        status: NodeStatus = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise LocalError(
+            f"the status from {where} does not read as a p2ptrain node status ({exc}); is it "
+            "a node of another p2ptrain version?"
+        ) from exc
+    return status
+
+
+def read_status(data_dir: Path) -> NodeStatus:
+    """The status a node last wrote in ``data_dir``."""
+    path = data_dir / STATUS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise LocalError(
+            f"{data_dir} has no status file: is it a node's data directory, and has the node "
+            "run? (pass an http address to ask a running node directly)"
+        ) from None
+    except OSError as exc:
+        raise LocalError(f"cannot read {path}: {exc}") from exc
+    return decode_status(data, str(path))

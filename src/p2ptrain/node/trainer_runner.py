@@ -1,0 +1,185 @@
+"""The trainer role: train each window from the canonical head, publish the update.
+
+Training runs in a worker thread (the event loop keeps answering the network): the lease's
+samples, the inner steps of the workload, Δ = θ_base - θ_local, its encoding with the
+experiment's codec. The inner optimizer state is saved after each window. A trainer without
+a server of its own pushes its update blob to a reachable peer (a seed first) before it
+gossips the signed update.
+
+Training a window is the role's main step: a window whose training raises is recorded as
+that window's error (see :mod:`.failures`), no update goes out for it, and the trainer
+trains the next window once the network certifies one without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.core.tensors import schema_of
+from p2ptrain.data.shards import lease_indices
+from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.node.events import NodeEvent, Published, Trained
+from p2ptrain.node.failures import FailureBook
+from p2ptrain.node.runner import FETCH_ATTEMPTS, RoleRunner, Step
+from p2ptrain.node.services import PeerServices
+from p2ptrain.node.status import TrainerWindow
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.reduction import BaseState
+from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.torch.workload import Workload
+
+__all__ = ["TRAIN_STEP", "TrainerRunner", "window_seed"]
+
+logger = logging.getLogger(__name__)
+
+TRAIN_STEP = "training"
+
+
+def window_seed(peer_id: str, window: int) -> int:
+    """The seed of a trainer's minibatch order in a window (the demo's DDP baseline draws
+    the same minibatches with it)."""
+    digest = hashlib.sha256(f"p2ptrain/v1/batches\0{peer_id}\0{window}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+class TrainerRunner(RoleRunner):
+    main_step = TRAIN_STEP
+    machine: TrainerMachine
+
+    def __init__(
+        self,
+        machine: TrainerMachine,
+        workload: Workload,
+        services: PeerServices,
+        failures: FailureBook,
+        emit: Callable[[NodeEvent], None],
+    ) -> None:
+        super().__init__("trainer", machine, services, failures, emit)
+        self.workload = workload
+        self.manifest = machine.manifest
+        self.peer_id = services.peer_id
+        genesis = machine.base.weights
+        self._encoder = make_encoder(
+            self.manifest.codec, schema_of(genesis), seed=window_seed(self.peer_id, 0)
+        )
+        self._train_ready = asyncio.Event()
+        self._pending: act.Train | None = None
+        #: The last window trained, for the status.
+        self.last: TrainerWindow | None = None
+
+    def forever(self) -> Iterator[tuple[str, Step]]:
+        yield "waiting to train", self._train_forever()
+
+    def start(self, now: float) -> None:
+        """Train the window after the head we hold (restored or genesis)."""
+        self._load_state()
+        if self.machine.chain.height == 0:
+            self.carry_out(self.machine.start(now))
+
+    def do(self, action: act.Action) -> None:
+        if isinstance(action, act.Train):
+            self._pending = action
+            self._train_ready.set()
+        elif isinstance(action, act.SendUpdate):
+            self.spawn(self._publish(action), "publishing an update", action.update.record.window)
+        else:
+            super().do(action)
+
+    async def _train_forever(self) -> None:
+        machine = self.machine
+        while True:
+            await self._train_ready.wait()
+            self._train_ready.clear()
+            action, self._pending = self._pending, None
+            if action is None or action.base_head != machine.base.head_id:
+                continue
+            with self.guard(TRAIN_STEP, action.window):
+                await self._train(action)
+
+    async def _train(self, action: act.Train) -> None:
+        base = self.machine.base
+        started = time.monotonic()
+        blob, before, after = await asyncio.to_thread(self._train_window, action, base)
+        self.last = TrainerWindow(
+            window=action.window,
+            loss_before=before,
+            loss_after=after,
+            seconds=round(time.monotonic() - started, 2),
+            blob_bytes=len(blob),
+        )
+        self.emit(
+            Trained(
+                peer_id=self.peer_id,
+                window=action.window,
+                loss_before=before,
+                loss_after=after,
+                seconds=self.last.seconds,
+                blob_bytes=len(blob),
+            )
+        )
+        self.carry_out(self.machine.finish(action.window, action.base_head, blob, before, after))
+
+    def _train_window(self, action: act.Train, base: BaseState) -> tuple[bytes, float, float]:
+        """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
+        lease = self.machine.lease(action.window)
+        indices = lease_indices(self.manifest.dataset, lease)
+        result = self.workload.train_window(
+            base.weights,
+            indices,
+            steps=self.manifest.inner_steps,
+            seed=window_seed(self.peer_id, action.window),
+        )
+        delta = {name: base.weights[name] - result.weights[name] for name in base.weights}
+        blob = self._encoder.encode(delta)
+        self.services.store.save_trainer_state(
+            self.workload.optimizer_state(),
+            {"window": str(action.window), "experiment": self.services.experiment_id},
+        )
+        return blob, result.loss_before, result.loss_after
+
+    async def _publish(self, action: act.SendUpdate) -> None:
+        services = self.services
+        blob_id = services.store.blobs.put(action.blob)
+        if services.net.address is None:
+            await self._push(blob_id)
+        services.publish("update", action.update, self)
+        update = action.update.record
+        self.emit(
+            Published(
+                peer_id=self.peer_id,
+                window=update.window,
+                update_id=action.update.record_id,
+                bytes=len(action.blob),
+            )
+        )
+
+    async def _push(self, blob_id: str) -> None:
+        """An outbound-only trainer hands its blob to a reachable peer (a seed first)."""
+        services = self.services
+        path = services.store.blobs.path(blob_id)
+        errors = []
+        for attempt in range(FETCH_ATTEMPTS):
+            for address in services.providers():
+                try:
+                    await services.net.client.push_blob(address, blob_id, path)
+                    return
+                except (TransportError, ProtocolViolation) as exc:
+                    errors.append(f"{address}: {exc}")
+            await asyncio.sleep(0.5 * 2**attempt)
+        raise TransportError(f"no peer took update blob {blob_id[:12]}: {'; '.join(errors[-3:])}")
+
+    def _load_state(self) -> None:
+        loaded = self.services.store.load_trainer_state()
+        if loaded is None:
+            return
+        tensors, metadata = loaded
+        if metadata.get("experiment") != self.services.experiment_id:
+            logger.warning("ignoring a trainer state saved for another experiment")
+            return
+        self.workload.load_optimizer_state(tensors)
+        logger.info("inner optimizer state restored (window %s)", metadata.get("window"))
