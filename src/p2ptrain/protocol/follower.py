@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -26,9 +26,6 @@ from p2ptrain.protocol.actions import Action, Adopted, FetchChain, FetchState, R
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.reduction import BaseState
 
-if TYPE_CHECKING:
-    from p2ptrain.protocol.role import RoleStatistics
-
 __all__ = ["Follower", "FollowerStatistics"]
 
 #: The largest weights or optimizer blob a follower decodes (4 GiB).
@@ -37,6 +34,8 @@ MAX_STATE_BYTES = 4 << 30
 
 @dataclass(frozen=True, slots=True)
 class FollowerStatistics:
+    """What every role machine counts (the trainer's and participant's add to it)."""
+
     height: int
     adopted_height: int
     conflicts: int
@@ -87,13 +86,17 @@ class Follower:
     def tick(self, now: float) -> list[Action]:
         return []
 
-    def statistics(self) -> RoleStatistics:
-        return FollowerStatistics(
-            height=self.chain.height,
-            adopted_height=self.base.head.height,
-            conflicts=len(self.chain.conflicts),
-            last_reason=self.last_reason,
-        )
+    def statistics(self) -> FollowerStatistics:
+        return FollowerStatistics(**self._chain_statistics())
+
+    def _chain_statistics(self) -> dict[str, Any]:
+        """The fields of :class:`FollowerStatistics`, for the subclasses' records."""
+        return {
+            "height": self.chain.height,
+            "adopted_height": self.base.head.height,
+            "conflicts": len(self.chain.conflicts),
+            "last_reason": self.last_reason,
+        }
 
     # --- inputs --------------------------------------------------------------------------
 

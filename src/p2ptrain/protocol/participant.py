@@ -43,7 +43,7 @@ from p2ptrain.protocol.actions import (
     SendCertificate,
     SendProposal,
 )
-from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.follower import Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.proposers import proposer_order
 from p2ptrain.protocol.quorum import AttestationBook
@@ -59,7 +59,7 @@ __all__ = ["Participant", "ParticipantStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
-class ParticipantStatistics:
+class ParticipantStatistics(FollowerStatistics):
     window: int
     updates: int
     proposals_judged: int
@@ -67,7 +67,6 @@ class ParticipantStatistics:
     attested: str | None
     dropped_reducers: int
     equivocations: int
-    last_reason: str
 
 
 @dataclass
@@ -390,6 +389,7 @@ class Participant(Follower):
     def statistics(self) -> ParticipantStatistics:
         w = self._window
         return ParticipantStatistics(
+            **self._chain_statistics(),
             window=w.base.window,
             updates=len(w.updates),
             proposals_judged=self.judged_count,
@@ -397,5 +397,4 @@ class Participant(Follower):
             attested=self.votes.get(w.base.window),
             dropped_reducers=len(self.dropped),
             equivocations=len(self.book.equivocations),
-            last_reason=self.last_reason,
         )

@@ -17,13 +17,9 @@ from p2ptrain.core.records import Head
 from p2ptrain.protocol.actions import Action
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.follower import FollowerStatistics
-from p2ptrain.protocol.participant import ParticipantStatistics
 from p2ptrain.protocol.reduction import BaseState
-from p2ptrain.protocol.trainer import TrainerStatistics
 
-__all__ = ["RoleMachine", "RoleStatistics"]
-
-RoleStatistics = FollowerStatistics | TrainerStatistics | ParticipantStatistics
+__all__ = ["RoleMachine"]
 
 
 class RoleMachine(Protocol):
@@ -65,4 +61,6 @@ class RoleMachine(Protocol):
 
     def tick(self, now: float) -> list[Action]: ...
 
-    def statistics(self) -> RoleStatistics: ...
+    def statistics(self) -> FollowerStatistics:
+        """A frozen record: the chain's counts, and the role's own (a subclass of it)."""
+        ...

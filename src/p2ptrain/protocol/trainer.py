@@ -14,19 +14,18 @@ from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import seal
 from p2ptrain.core.records import Update
 from p2ptrain.protocol.actions import Action, SendUpdate, Train
-from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.follower import Follower, FollowerStatistics
 from p2ptrain.protocol.leases import Lease, lease_for
 
 __all__ = ["TrainerMachine", "TrainerStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
-class TrainerStatistics:
+class TrainerStatistics(FollowerStatistics):
     windows_trained: int
     updates_published: int
     stale_dropped: int
     training_window: int | None
-    last_reason: str
 
 
 class TrainerMachine(Follower):
@@ -86,9 +85,9 @@ class TrainerMachine(Follower):
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(
+            **self._chain_statistics(),
             windows_trained=self.windows_trained,
             updates_published=self.updates_published,
             stale_dropped=self.stale_dropped,
             training_window=None if self._training is None else self._training[0],
-            last_reason=self.last_reason,
         )
