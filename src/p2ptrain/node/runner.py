@@ -28,7 +28,7 @@ from p2ptrain.net.gossip import Delivered
 from p2ptrain.node.events import NodeEvent, RoleFailure
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
-from p2ptrain.node.status import RoleState
+from p2ptrain.node.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.role import RoleMachine
 
@@ -50,6 +50,8 @@ class RoleRunner:
 
     #: The step whose success clears the failures in a row (None: any guarded step).
     main_step: str | None = None
+    #: A trainer's last trained window, for the status (None for the other roles).
+    last_trained: TrainerWindow | None = None
 
     def __init__(
         self,

@@ -2,13 +2,7 @@
 
 A :class:`Node` owns the network (:class:`~p2ptrain.net.node.NetNode`: server, gossip,
 discovery), its data directory and the :class:`~.services.PeerServices` its roles share, and
-holds one runner per role machine (DESIGN §2):
-
-* ``trainer`` -- :class:`~.trainer_runner.TrainerRunner` (a :class:`TrainerMachine`);
-* ``reducer`` / ``validator`` -- :class:`~.participant_runner.ParticipantRunner` (one
-  :class:`Participant`; a validator that is also a reducer proposes in its slot);
-* ``seed`` / ``viewer`` alone -- a plain :class:`~.runner.RoleRunner` around a
-  :class:`Follower` that keeps each certified head's weights to serve and export.
+holds one runner per role machine (DESIGN §2; which runner for which roles: :mod:`.roles`).
 
 One identity, one server, one store. The shell checks every gossip message against the
 experiment (the topic validator), keeps the records a serving node keeps, and hands each
@@ -47,8 +41,8 @@ from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered
 from p2ptrain.net.node import NetNode
 from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, RoleFailure, Stopped
 from p2ptrain.node.failures import FailureBook, RoleFailed
-from p2ptrain.node.participant_runner import ParticipantRunner
 from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.roles import role_runners
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import NodeSettings, Prepared
@@ -60,12 +54,8 @@ from p2ptrain.node.status import (
     OpenWindow,
     encode_status,
 )
-from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.protocol import actions as act
-from p2ptrain.protocol.follower import Follower
-from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.role import RoleMachine
-from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.torch.workload import Workload
 
@@ -122,49 +112,17 @@ class Node:
         self.services.deliver_locally = self._deliver_locally
         self.services.on_adopted = self._adopted
         self._keeps_updates = bool(roles & _SERVING_ROLES)
-        self.runners = self._runners(prepared, workload)
+        self.runners = role_runners(
+            settings.roles,
+            prepared,
+            workload,
+            services=self.services,
+            failures=self.failures,
+            emit=self._emit,
+            votes=store.votes(),
+        )
         self._max_update = max_update_bytes(self.manifest.codec, schema_of(prepared.genesis))
         self._net: NetNode | None = None
-
-    def _runners(self, prepared: Prepared, workload: Workload | None) -> list[RoleRunner]:
-        roles = set(self.settings.roles)
-        genesis = prepared.genesis
-        key = self.identity.public_key
-        runners: list[RoleRunner] = []
-        args = (self.services, self.failures, self._emit)
-        if roles & {"validator", "reducer"}:
-            validator = "validator" in roles
-            if validator and key not in self.manifest.validators:
-                raise LocalError(
-                    f"this node's key {key.hex()} is not a validator of experiment "
-                    f"{self.experiment_id[:16]}; add it to the experiment's validators (a new "
-                    "revision) or run this node without --role validator"
-                )
-            if not validator and key not in self.manifest.reducers:
-                raise LocalError(
-                    f"this node's key {key.hex()} is not a reducer of experiment "
-                    f"{self.experiment_id[:16]}; add it to the experiment's reducers"
-                )
-            participant = Participant(
-                self.manifest,
-                self.identity,
-                genesis,
-                validator=validator,
-                reducers=self.manifest.reducers,
-                now=time.monotonic(),
-            )
-            participant.votes.update(self.store.votes())
-            runners.append(ParticipantRunner(participant, *args))
-        if "trainer" in roles:
-            if workload is None:
-                raise LocalError("a trainer needs a workload (the model and data to train)")
-            machine = TrainerMachine(self.manifest, self.identity, genesis)
-            runners.append(TrainerRunner(machine, workload, *args))
-        if not runners:  # a seed or viewer: follow the chain, keep the weights
-            role = "seed" if "seed" in roles else "viewer"
-            follower = Follower(self.manifest, self.identity, genesis)
-            runners.append(RoleRunner(role, follower, *args))
-        return runners
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -424,7 +382,7 @@ class Node:
             peers, banned = n.peers.peers, n.peers.banned
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
         reasons = [r.machine.last_reason for r in self.runners]
-        trainer = next((r for r in self.runners if isinstance(r, TrainerRunner)), None)
+        trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         return NodeStatus(
             peer_id=self.peer_id,
             roles=tuple(self.settings.roles),
@@ -443,7 +401,7 @@ class Node:
             errors=tuple(self.failures.recent),
             failed=None if self._failed is None else str(self._failed),
             reports=tuple(self.services.reports),
-            trainer=None if trainer is None else trainer.last,
+            trainer=trained,
             bytes_sent=bytes_sent,
             pid=os.getpid(),
         )

@@ -69,8 +69,6 @@ class TrainerRunner(RoleRunner):
         )
         self._train_ready = asyncio.Event()
         self._pending: act.Train | None = None
-        #: The last window trained, for the status.
-        self.last: TrainerWindow | None = None
 
     def forever(self) -> Iterator[tuple[str, Step]]:
         yield "waiting to train", self._train_forever()
@@ -105,7 +103,7 @@ class TrainerRunner(RoleRunner):
         base = self.machine.base
         started = time.monotonic()
         blob, before, after = await asyncio.to_thread(self._train_window, action, base)
-        self.last = TrainerWindow(
+        self.last_trained = TrainerWindow(
             window=action.window,
             loss_before=before,
             loss_after=after,
@@ -118,7 +116,7 @@ class TrainerRunner(RoleRunner):
                 window=action.window,
                 loss_before=before,
                 loss_after=after,
-                seconds=self.last.seconds,
+                seconds=self.last_trained.seconds,
                 blob_bytes=len(blob),
             )
         )

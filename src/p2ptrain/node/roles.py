@@ -1,0 +1,83 @@
+"""Which runner holds which roles (DESIGN §2): the table a node is built from.
+
+* ``trainer``: a :class:`~.trainer_runner.TrainerRunner` around a :class:`TrainerMachine`;
+* ``reducer``, ``validator`` or both: a :class:`~.participant_runner.ParticipantRunner`
+  around one :class:`Participant` (a validator that is also a reducer proposes in its slot);
+* ``seed`` or ``viewer`` alone: a plain :class:`~.runner.RoleRunner` around a
+  :class:`Follower`, which keeps each certified head's weights to serve and export.
+
+A node of several roles holds several runners (a trainer that validates: two); a seed or
+viewer beside a trainer or participant needs no runner of its own, since every machine
+follows the chain and keeps the weights of the head it builds on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from p2ptrain.errors import LocalError
+from p2ptrain.node.events import NodeEvent
+from p2ptrain.node.failures import FailureBook
+from p2ptrain.node.participant_runner import ParticipantRunner
+from p2ptrain.node.runner import RoleRunner
+from p2ptrain.node.services import PeerServices
+from p2ptrain.node.setup import Prepared
+from p2ptrain.node.trainer_runner import TrainerRunner
+from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.torch.workload import Workload
+
+__all__ = ["role_runners"]
+
+
+def role_runners(
+    roles: Iterable[str],
+    prepared: Prepared,
+    workload: Workload | None,
+    *,
+    services: PeerServices,
+    failures: FailureBook,
+    emit: Callable[[NodeEvent], None],
+    votes: Mapping[int, str],
+) -> list[RoleRunner]:
+    """The runners of a node holding ``roles`` (``votes``: a validator's stored votes)."""
+    chosen = set(roles)
+    manifest, identity, genesis = prepared.experiment.record, prepared.identity, prepared.genesis
+    experiment = prepared.experiment.record_id[:16]
+    key = identity.public_key
+    runners: list[RoleRunner] = []
+    if chosen & {"validator", "reducer"}:
+        validator = "validator" in chosen
+        if validator and key not in manifest.validators:
+            raise LocalError(
+                f"this node's key {key.hex()} is not a validator of experiment {experiment}; "
+                "add it to the experiment's validators (a new revision) or run this node "
+                "without --role validator"
+            )
+        if not validator and key not in manifest.reducers:
+            raise LocalError(
+                f"this node's key {key.hex()} is not a reducer of experiment {experiment}; "
+                "add it to the experiment's reducers"
+            )
+        participant = Participant(
+            manifest,
+            identity,
+            genesis,
+            validator=validator,
+            reducers=manifest.reducers,
+            now=time.monotonic(),
+        )
+        participant.votes.update(votes)
+        runners.append(ParticipantRunner(participant, services, failures, emit))
+    if "trainer" in chosen:
+        if workload is None:
+            raise LocalError("a trainer needs a workload (the model and data to train)")
+        machine = TrainerMachine(manifest, identity, genesis)
+        runners.append(TrainerRunner(machine, workload, services, failures, emit))
+    if not runners:  # a seed or viewer: follow the chain, keep the weights
+        role = "seed" if "seed" in chosen else "viewer"
+        follower = Follower(manifest, identity, genesis)
+        runners.append(RoleRunner(role, follower, services, failures, emit))
+    return runners
