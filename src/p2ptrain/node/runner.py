@@ -83,7 +83,7 @@ class RoleRunner:
                 for name, step in self.forever():
                     group.create_task(self._guarded(step, name), name=f"{self.role}-{name}")
                 if self.machine.next_wakeup(time.monotonic()) is not None:
-                    group.create_task(self._guarded(self._tick_forever(), "tick"), name="tick")
+                    group.create_task(self._tick_forever(), name=f"{self.role}-tick")
                 await self._ended.wait()
                 raise _RoleEnded  # cancels the role's tasks
         except* _RoleEnded:
@@ -198,19 +198,23 @@ class RoleRunner:
             )
 
     async def _tick_forever(self) -> None:
+        """Tick the machine when it asked to be ticked, or sooner when something arrived;
+        a tick that raised is recorded and tried again within a second."""
         machine = self.machine
+        delay = 0.0
         while True:
-            now = time.monotonic()
-            wakeup = machine.next_wakeup(now)
-            delay = 1.0 if wakeup is None else max(0.0, wakeup - now)
             self._wake.clear()
             # not asyncio.wait_for: on 3.11 it can swallow a cancellation that arrives as
             # the event is set, and the node would never stop
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
+            delay = 1.0
             with self.guard("tick"):
                 self.carry_out(machine.tick(time.monotonic()))
+                now = time.monotonic()
+                wakeup = machine.next_wakeup(now)
+                delay = 1.0 if wakeup is None else max(0.0, wakeup - now)
 
     # -- carrying out the machine's actions -----------------------------------------------
 
