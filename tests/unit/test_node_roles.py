@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.core.manifests import ExperimentManifest
-from p2ptrain.errors import LocalError, TransportError
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
     HeadAdopted,
     NodeEvent,
@@ -108,6 +108,9 @@ def test_a_role_records_each_failure_and_ends_after_three_in_a_row(tmp_path: Pat
         await asyncio.sleep(0)  # the runner's task group is open
         with runner.guard("a flaky step"):
             raise TransportError("reset by peer")  # a network fault: not the role's failure
+        with runner.guard("checking a blob"):
+            raise ProtocolViolation("bad hash")  # a peer's bad bytes: not the role's either
+        assert runner.failures.in_a_row("viewer") == 0
         for n in range(3):
             with runner.guard("handling a certificate"):
                 raise RuntimeError(f"bug {n}")
@@ -136,8 +139,14 @@ def test_a_role_goes_on_after_a_failure_and_stops_when_cancelled(tmp_path: Path)
     runner, datadir = _runner(tmp_path, events)
 
     async def one_failure() -> None:
+        early_ran = asyncio.Event()
+
+        async def early() -> None:
+            early_ran.set()
+
+        runner.spawn(early(), "before the start")  # kept until the role runs
         task = asyncio.create_task(runner.run())
-        await asyncio.sleep(0)
+        await asyncio.wait_for(early_ran.wait(), 5)
         with runner.guard("handling a certificate"):
             raise RuntimeError("once")
         with runner.guard("handling a certificate"):

@@ -301,10 +301,13 @@ async def _read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
     if response.content_length is not None and response.content_length > limit:
         raise ProtocolViolation(f"answer of {response.content_length} bytes exceeds {limit}")
     body = bytearray()
-    async for chunk in response.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise ProtocolViolation(f"answer exceeds {limit} bytes")
+    try:
+        async for chunk in response.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise ProtocolViolation(f"answer exceeds {limit} bytes")
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # stalled or cut off
+        raise TransportError(f"reading the answer of {response.url} failed: {exc!r}") from exc
     return bytes(body)
 
 

@@ -92,14 +92,14 @@ class ParticipantRunner(RoleRunner):
             proposal = action.proposal
             self._keep_reduction(proposal.record.head.id)
             services.remember(proposal, "proposal", proposal.record.window)
-            services.publish("proposal", proposal, self)
+            services.publish("proposal", proposal)
         elif isinstance(action, act.SendAttestation):
             attestation = action.attestation.record
             own = attestation.validator == services.identity.public_key
             if own:
                 services.store.put_vote(attestation.height, attestation.head_id)
                 self._keep_reduction(attestation.head_id)
-            services.publish("attestation", action.attestation, self)
+            services.publish("attestation", action.attestation)
             if own:
                 self.emit(
                     Attested(

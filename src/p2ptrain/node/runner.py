@@ -71,6 +71,8 @@ class RoleRunner:
         self._ended = asyncio.Event()
         self._wake = asyncio.Event()
         self._fetching: set[str] = set()
+        self._queued: list[tuple[Step, str, int | None]] = []
+        self._finished = False
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -80,6 +82,9 @@ class RoleRunner:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
+                queued, self._queued = self._queued, []
+                for step, name, window in queued:
+                    self.spawn(step, name, window)
                 for name, step in self.forever():
                     group.create_task(self._guarded(step, name), name=f"{self.role}-{name}")
                 if self.machine.next_wakeup(time.monotonic()) is not None:
@@ -89,7 +94,7 @@ class RoleRunner:
         except* _RoleEnded:
             pass
         finally:
-            self._group = None  # what arrives later is not started
+            self._group, self._finished = None, True  # what arrives later is not started
         assert self._fatal is not None
         raise self._fatal
 
@@ -120,7 +125,9 @@ class RoleRunner:
         """Record an unexpected exception of ``step`` as its window's error and go on."""
         try:
             yield
-        except TransportError as exc:  # a network fault: the step is tried again later
+        except (TransportError, ProtocolViolation) as exc:
+            # a network fault (the step is tried again later), or a peer's bad bytes (the
+            # peer is counted against where they were proven bad): not the role's failure
             logger.warning("%s, %s: %s", self.role, step, exc)
         except Exception as exc:  # everything the step did not expect
             self.failed(step, self.window if window is None else window, exc)
@@ -130,18 +137,20 @@ class RoleRunner:
 
     def failed(self, step: str, window: int, exc: BaseException) -> None:
         error = self.failures.failed(self.role, window, step, exc)
-        self.emit(
-            RoleFailure(
-                peer_id=self.services.peer_id,
-                role=self.role,
-                window=error.window,
-                step=step,
-                error=error.error,
-                message=error.message,
-                failures=self.failures.in_a_row(self.role),
-                limit=self.failures.limit,
-            )
+        event = RoleFailure(
+            peer_id=self.services.peer_id,
+            role=self.role,
+            window=error.window,
+            step=step,
+            error=error.error,
+            message=error.message,
+            failures=self.failures.in_a_row(self.role),
+            limit=self.failures.limit,
         )
+        try:
+            self.emit(event)
+        except Exception:  # telling failed too (a closed stdout): the record stays
+            logger.exception("%s: the role_error event could not be sent", self.role)
         fatal = self.failures.exhausted(self.role)
         if fatal is not None and self._fatal is None:
             fatal.__cause__ = exc
@@ -154,6 +163,9 @@ class RoleRunner:
 
     def spawn(self, step: Step, name: str, window: int | None = None) -> None:
         """Run ``step`` as a task of this role (guarded; it ends with the role)."""
+        if self._group is None and not self._finished:  # before run(): started by it
+            self._queued.append((step, name, window))
+            return
         if self._group is None or self._ended.is_set():
             step.close()
             return
@@ -230,7 +242,7 @@ class RoleRunner:
         """Carry out one action (subclasses take their role's own first)."""
         services = self.services
         if isinstance(action, act.SendCertificate):
-            services.publish_certificate(action.head, action.certificate, self)
+            services.publish_certificate(action.head, action.certificate)
         elif isinstance(action, act.FetchState):
             self.spawn(self._fetch_state(action), "fetching a head's weights")
         elif isinstance(action, act.FetchChain):
@@ -248,7 +260,7 @@ class RoleRunner:
         """The machine moved to a new canonical head (after the shell stored it)."""
 
     async def catch_up(self, address: str | None = None) -> None:
-        answer = await self.services.fetch_chain(self.machine.chain.height, address)
+        answer = await self.services.fetch_chain(lambda: self.machine.chain.height, address)
         if answer is not None:
             self.offer_chain(*answer)
 

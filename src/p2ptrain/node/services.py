@@ -9,8 +9,8 @@ Below the runners (they import this module, never each other), above the network
   id, a head's weights, a catch-up chain;
 * **key lookup** -- the public key behind a peer id or an address;
 * **reporting** -- a peer proven to misbehave is logged, struck and shown in the status;
-* **publishing** -- a record goes out on the experiment's topic, and to the node's other
-  roles (gossip never hands a node its own messages);
+* **publishing** -- a record goes out on the experiment's topic (gossip hands it to this
+  node's own subscription too, so every role of the node sees it);
 * **records** -- the signed updates and proposals a node that serves keeps for its peers.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import Head, PeerRecord, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered
+from p2ptrain.net.gossip import CERTIFICATE_KIND
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.events import NodeEvent, PeerReported
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_PROVIDERS = 8
 _RECENT_REPORTS = 20
+#: The same report from several roles (each judged the same record) counts once.
+_SAME_REPORT_S = 5.0
 
 #: A verified catch-up answer: the certified links and the last one's state blobs.
 CatchUp = tuple[list[tuple[Head, QuorumCertificate]], bytes, bytes | None, bytes]
@@ -77,13 +80,12 @@ class PeerServices:
         self.emit = emit
         self.reports: deque[PeerReport] = deque(maxlen=_RECENT_REPORTS)
         self.rng = random.Random()
-        #: Set by the node: hands what one role published to its other roles.
-        self.deliver_locally: Callable[[Delivered, object], None] = lambda *_: None
         #: Set by the node: a role's machine adopted a head.
         self.on_adopted: Callable[[RoleMachine, act.Adopted], None] = lambda *_: None
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         self._catching_up = asyncio.Lock()
+        self._recent: dict[tuple[str, str], float] = {}
 
     def attach(self, net: NetNode, fetch_timeout_s: float) -> None:
         self._net = net
@@ -99,18 +101,13 @@ class PeerServices:
 
     # -- publishing and records -----------------------------------------------------------
 
-    def publish(self, kind: str, record: Signed[Any] | CertifiedLink, origin: object) -> None:
-        """Send ``record`` to the peers, and to the node's roles other than ``origin``."""
+    def publish(self, kind: str, record: Signed[Any] | CertifiedLink) -> None:
+        """Send ``record`` to the peers and to every role of this node."""
         data = encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
-        payload = bytes(data)
-        self.net.publish(self.topic, kind, payload)
-        self.deliver_locally(Delivered(self.topic, kind, payload, record, from_peer=""), origin)
+        self.net.publish(self.topic, kind, bytes(data))
 
-    def publish_certificate(
-        self, head: Head, certificate: QuorumCertificate, origin: object
-    ) -> None:
-        link = CertifiedLink(head=head, certificate=certificate)
-        self.publish(CERTIFICATE_KIND, link, origin)
+    def publish_certificate(self, head: Head, certificate: QuorumCertificate) -> None:
+        self.publish(CERTIFICATE_KIND, CertifiedLink(head=head, certificate=certificate))
 
     def remember(self, signed: Signed[Any], kind: str, height: int) -> None:
         """Keep a signed record peers may ask for by id (nodes that serve)."""
@@ -178,7 +175,11 @@ class PeerServices:
         a peer that serves anything else is reported."""
         raw = self.store.record(update_id)
         if raw is not None:
-            return open_envelope(raw, Update)
+            try:
+                return open_envelope(raw, Update)
+            except ProtocolViolation:  # the id of another kind of record: named wrongly
+                logger.warning("record %s is not an update", update_id[:12])
+                return None
         for address in self.providers([proposer]):
             try:
                 raw = await self.net.client.record(address, update_id)
@@ -192,13 +193,15 @@ class PeerServices:
                 self.blame(address, f"served a bad update record: {exc}")
         return None
 
-    async def fetch_chain(self, above: int, address: str | None = None) -> CatchUp | None:
-        """Certified heads above height ``above`` from a peer (``address``, or each
-        provider in turn) and the last one's state; None if nobody has more. The links are
+    async def fetch_chain(
+        self, height: Callable[[], int], address: str | None = None
+    ) -> CatchUp | None:
+        """Certified heads above ``height()`` from a peer (``address``, or each provider in
+        turn) and the last one's state; None if nobody has more. One catch-up at a time (a
+        role waits for another's, then asks only for what it still lacks). The links are
         checked by the machine that receives them, the blobs by hash on arrival."""
-        if self._catching_up.locked():
-            return None
         async with self._catching_up:
+            above = height()
             for provider in [address] if address else self.providers():
                 try:
                     links = await self.net.client.head_links(provider, self.experiment_id, above)
@@ -219,6 +222,12 @@ class PeerServices:
     # -- reporting ------------------------------------------------------------------------
 
     def report(self, peer_id: str, reason: str) -> None:
+        """Count ``reason`` against the peer, once even when several roles found it."""
+        now = time.monotonic()
+        self._recent = {k: t for k, t in self._recent.items() if now - t < _SAME_REPORT_S}
+        if (peer_id, reason) in self._recent:
+            return
+        self._recent[peer_id, reason] = now
         logger.warning("peer %s: %s", peer_id[:16], reason)
         self.reports.append(PeerReport(peer=peer_id, reason=reason))
         if len(peer_id) == 64 and peer_id != self.peer_id:

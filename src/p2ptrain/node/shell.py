@@ -6,7 +6,8 @@ holds one runner per role machine (DESIGN §2; which runner for which roles: :mo
 
 One identity, one server, one store. The shell checks every gossip message against the
 experiment (the topic validator), keeps the records a serving node keeps, and hands each
-message to every runner; what one role publishes reaches the others too. It persists each
+message to every runner (gossip hands a node its own messages too, so what one role
+publishes reaches the others). It persists each
 certified head once (whichever role adopted it first), emits one ``adopted`` event per
 height, answers ``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
 whether the chain moved past it, and writes ``status.json``.
@@ -22,7 +23,6 @@ it adopted, then catches up with its peers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -109,7 +109,6 @@ class Node:
             keeps_records=bool(roles - {"trainer"}),
             emit=self._emit,
         )
-        self.services.deliver_locally = self._deliver_locally
         self.services.on_adopted = self._adopted
         self._keeps_updates = bool(roles & _SERVING_ROLES)
         self.runners = role_runners(
@@ -190,7 +189,7 @@ class Node:
         return status
 
     def _serving(self) -> RoleRunner:
-        """The runner whose chain the node serves to catching-up peers (the one ahead)."""
+        """The runner whose chain is ahead (a participant's, on a tie: it computes heads)."""
         return max(self.runners, key=lambda r: r.machine.chain.height)
 
     async def _run_roles(self) -> None:
@@ -275,26 +274,23 @@ class Node:
         for runner in self.runners:
             runner.receive(message)
 
-    def _deliver_locally(self, message: Delivered, origin: object) -> None:
-        for runner in self.runners:
-            if runner is not origin:
-                runner.receive(message)
-
     # -- adoption -------------------------------------------------------------------------
 
     def _adopted(self, machine: RoleMachine, action: act.Adopted) -> None:
         """A role's machine adopted a head: store it (once), tell whoever listens (once)."""
-        state = machine.state_of(action.head_id)
-        if state is not None:
-            for blob in state:
-                if blob is not None:
-                    self.store.blobs.put(blob)
+        head, blobs = action.head, self.store.blobs
+        held = blobs.has(head.weights_blob) and (
+            head.optimizer_blob is None or blobs.has(head.optimizer_blob)
+        )
+        state = None if held else machine.state_of(action.head_id)
+        for blob in state or ():
+            if blob is not None:
+                blobs.put(blob)
         for height in range(self._stored_height + 1, machine.chain.height + 1):
             link = machine.chain.at(height)
             if link is not None and link.certificate is not None:
                 self.store.put_link(link.head, link.certificate)
                 self._stored_height = height
-        head = action.head
         if head.height > self._adopted_height:
             self._adopted_height = head.height
             now = time.monotonic()
@@ -353,19 +349,28 @@ class Node:
         rng = self.services.rng
         while True:
             providers = self.services.providers()
-            if providers:
-                above = min(r.machine.chain.height for r in self.runners)
-                with contextlib.suppress(TransportError):
-                    answer = await self.services.fetch_chain(above, rng.choice(providers))
+            try:
+                if providers:
+                    answer = await self.services.fetch_chain(
+                        lambda: min(r.machine.chain.height for r in self.runners),
+                        rng.choice(providers),
+                    )
                     if answer is not None:
                         for runner in self.runners:
                             runner.offer_chain(*answer)
+            except (TransportError, ProtocolViolation) as exc:
+                logger.info("sync: %s", exc)
+            except Exception:  # never the end of the node: the next round tries again
+                logger.exception("sync failed")
             await asyncio.sleep(self.settings.sync_interval_s * (0.75 + rng.random() / 2))
 
     async def _status_forever(self) -> None:
         while True:
             await asyncio.sleep(_STATUS_EVERY_S)
-            self._write_status(self.status())
+            try:
+                self._write_status(self.status())
+            except Exception:  # the status is for people: never the end of the node
+                logger.exception("writing the status failed")
 
     # -- status ---------------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ a server of its own pushes its update blob to a reachable peer (a seed first) be
 gossips the signed update.
 
 Training a window is the role's main step: a window whose training raises is recorded as
-that window's error (see :mod:`.failures`), no update goes out for it, and the trainer
-trains the next window once the network certifies one without it.
+that window's error (see :mod:`.failures`) and no update goes out for it; the trainer trains
+the next window once the network certifies one without it, or, if the head has not moved
+after a back-off (2, 4, ... s), the same window again.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ __all__ = ["TRAIN_STEP", "TrainerRunner", "window_seed"]
 logger = logging.getLogger(__name__)
 
 TRAIN_STEP = "training"
+#: The longest back-off before a window whose training raised is trained again.
+_RETRY_MAX_S = 30.0
 
 
 def window_seed(peer_id: str, window: int) -> int:
@@ -96,8 +99,19 @@ class TrainerRunner(RoleRunner):
             action, self._pending = self._pending, None
             if action is None or action.base_head != machine.base.head_id:
                 continue
+            failures = self.failures.in_a_row(self.role)
             with self.guard(TRAIN_STEP, action.window):
                 await self._train(action)
+            if self.failures.in_a_row(self.role) > failures:
+                self.spawn(self._retry(action), "waiting to train again", action.window)
+
+    async def _retry(self, action: act.Train) -> None:
+        """Training ``action`` raised: train the same window again after a back-off, unless
+        a newer head came first (a network waiting for this trainer is not left stalled)."""
+        await asyncio.sleep(min(_RETRY_MAX_S, 2.0 ** self.failures.in_a_row(self.role)))
+        if self._pending is None and action.base_head == self.machine.base.head_id:
+            self._pending = action
+            self._train_ready.set()
 
     async def _train(self, action: act.Train) -> None:
         base = self.machine.base
@@ -145,7 +159,7 @@ class TrainerRunner(RoleRunner):
         blob_id = services.store.blobs.put(action.blob)
         if services.net.address is None:
             await self._push(blob_id)
-        services.publish("update", action.update, self)
+        services.publish("update", action.update)
         update = action.update.record
         self.emit(
             Published(
