@@ -168,7 +168,8 @@ class Net:
             deadline_s=deadline_s,
             proposal_s=proposal_s,
         )
-        self.start("seed", "seed", args=["--experiment-toml", str(path)])
+        # the seed keeps every update and proposal: tests read who trained and proposed what
+        self.start("seed", "seed", args=["--experiment-toml", str(path), "--archive"])
         self.wait_ready(["seed"])
         self.windows = windows
         # Everyone else at once, so that the trainers publish before window 1's deadline.

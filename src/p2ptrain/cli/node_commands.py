@@ -46,6 +46,7 @@ _SERVING_ROLES = ("seed", "validator", "reducer")
 _CONFIG_KEYS = {
     "role",
     "max_role_failures",
+    "archive",
     "dir",
     "experiment",
     "experiment_toml",
@@ -141,6 +142,13 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         help="stop the node once a role failed this many steps in a row "
         f"(default {DEFAULT_MAX_FAILURES})",
     )
+    parser.add_argument(
+        "--archive",
+        action="store_true",
+        default=None,
+        help="keep every accepted update and proposal for good (who trained and proposed "
+        "what); by default a node keeps only what its roles used, for the last window",
+    )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
     parser.set_defaults(data_dir_default=data_dir)
 
@@ -235,6 +243,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         threads=int(pick("threads", 1)),
         mdns=bool(pick("mdns", False)),
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
+        archive=bool(pick("archive", False)),
     )
 
 

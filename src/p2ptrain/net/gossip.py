@@ -26,7 +26,7 @@ from p2ptrain.net.connection import PeerConnection, SlowPeer
 from p2ptrain.net.limits import SeenSet
 from p2ptrain.net.wire import Gossip, Subscribe, encode_frame, valid_topic
 
-__all__ = ["Delivered", "GossipRouter", "GossipStatistics"]
+__all__ = ["Delivered", "GossipRouter", "GossipStatistics", "Refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,20 @@ class Delivered:
     from_peer: str  # who forwarded it to us ("" when we published it)
 
 
-#: A topic validator returns None to accept, or the reason the message is rejected (which
-#: counts against the peer that forwarded it).
-Validator = Callable[[Delivered], str | None]
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A topic validator's refusal: the message is dropped and not forwarded, and counted
+    against ``blame`` (a peer id) if given -- e.g. the signer of a record it had no right to
+    sign -- or against nobody (a record the node cannot use yet, through no one's fault)."""
+
+    reason: str
+    blame: str | None = None
+
+
+#: A topic validator returns None to accept, the reason the message is rejected (which
+#: counts against the peer that forwarded it), or a :class:`Refusal` that says whom it
+#: counts against.
+Validator = Callable[[Delivered], str | Refusal | None]
 Handler = Callable[[Delivered], None]
 
 
@@ -62,6 +73,8 @@ class GossipStatistics:
     forwarded: int
     duplicates: int
     rejected: int
+    #: Refused without blame (e.g. records for windows far ahead of ours).
+    ignored: int
     unwanted: int
     seen: int
     #: Gossip frames queued to peers (subscriptions, our messages, forwards), in bytes.
@@ -86,7 +99,7 @@ class GossipRouter:
         self._validators: dict[str, Validator] = {}
         self.connections: dict[str, PeerConnection] = {}
         self._published = self._delivered = self._forwarded = 0
-        self._duplicates = self._rejected = self._unwanted = 0
+        self._duplicates = self._rejected = self._unwanted = self._ignored = 0
         self._bytes_sent = 0
 
     # -- topics ---------------------------------------------------------------------------
@@ -145,10 +158,16 @@ class GossipRouter:
             return
         delivered = Delivered(frame.topic, frame.kind, frame.data, record, connection.peer_id)
         validator = self._validators.get(frame.topic)
-        reason = None if validator is None else validator(delivered)
-        if reason is not None:
-            self._rejected += 1
-            self._strike(connection.peer_id, f"gossip {frame.kind} rejected: {reason}")
+        verdict = None if validator is None else validator(delivered)
+        if isinstance(verdict, str):
+            verdict = Refusal(verdict, blame=connection.peer_id)
+        if verdict is not None:
+            if verdict.blame is None:
+                self._ignored += 1
+                logger.debug("gossip %s ignored: %s", frame.kind, verdict.reason)
+            else:
+                self._rejected += 1
+                self._strike(verdict.blame, f"gossip {frame.kind} rejected: {verdict.reason}")
             return
         self._forward(frame, source=connection)
         self._delivered += 1
@@ -184,6 +203,7 @@ class GossipRouter:
             forwarded=self._forwarded,
             duplicates=self._duplicates,
             rejected=self._rejected,
+            ignored=self._ignored,
             unwanted=self._unwanted,
             seen=len(self._seen),
             bytes_sent=self._bytes_sent,

@@ -3,8 +3,11 @@
 The runner fetches each on-time update's blob (from its trainer first, then any provider),
 hands proposals and attestations to the :class:`Participant`, ticks it on the protocol's
 slot timers, and keeps the blobs of every head it computed so peers can fetch them once the
-head is certified. Updates and proposals for a window it has not opened yet are kept (a
-bounded number) and replayed when it opens. A validator's vote is stored before its
+head is certified. Updates and proposals for the window after its open one wait in an
+:class:`~p2ptrain.protocol.intake.EarlyBuffer` (bounded in bytes per signer and in total) and
+are replayed when it opens. An update is kept in the store (for peers that ask for it by id)
+once its blob arrived and the window took it, a proposal once the window took it; the shell
+prunes both by height. A validator's vote is stored before its
 attestation is sent, so it never attests two heads at one height, not even across a crash.
 
 The tick is the role's main step: a tick that raises is recorded for its window and the
@@ -29,14 +32,16 @@ from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import FETCH_ATTEMPTS, RoleRunner
 from p2ptrain.node.services import PeerServices
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.intake import EarlyBuffer, window_of
 from p2ptrain.protocol.participant import Participant
 
 __all__ = ["ParticipantRunner"]
 
 logger = logging.getLogger(__name__)
 
-#: Updates and proposals for a window we have not opened yet, kept until we have.
-_MAX_EARLY = 4096
+#: Bytes of early updates and proposals kept per signer and in all.
+EARLY_PER_SIGNER_BYTES = 1 << 20
+EARLY_TOTAL_BYTES = 16 << 20
 
 
 class ParticipantRunner(RoleRunner):
@@ -52,14 +57,21 @@ class ParticipantRunner(RoleRunner):
     ) -> None:
         role = "validator" if machine.is_validator else "reducer"
         super().__init__(role, machine, services, failures, emit)
-        self._early_updates: dict[str, Signed[Update]] = {}
-        self._early_proposals: dict[str, Signed[Proposal]] = {}
+        self._early: EarlyBuffer[Signed[Any]] = EarlyBuffer(
+            EARLY_PER_SIGNER_BYTES, EARLY_TOTAL_BYTES
+        )
 
     # -- inputs ---------------------------------------------------------------------------
 
     def receive_record(self, message: Delivered, record: Any) -> None:
         signed = message.record
         assert isinstance(signed, Signed)
+        window = window_of(record)
+        if isinstance(record, Update | Proposal) and window and window > self.machine.window:
+            signer = peer_id_of(signed.envelope.signer)
+            if not self._early.add(signed.record_id, window, signer, len(message.data), signed):
+                logger.info("%s for window %d not kept: early buffer full", message.kind, window)
+            return
         if isinstance(record, Update):
             self._on_update(signed, record)
         elif isinstance(record, Proposal):
@@ -69,20 +81,16 @@ class ParticipantRunner(RoleRunner):
 
     def _on_update(self, signed: Signed[Update], update: Update) -> None:
         machine = self.machine
-        if update.window > machine.window:
-            if len(self._early_updates) < _MAX_EARLY:
-                self._early_updates[signed.record_id] = signed
-            return
-        if update.window < machine.window or update.base_head != machine.base.head_id:
+        if update.window != machine.window or update.base_head != machine.base.head_id:
             return
         self.spawn(self._fetch_update(signed), "fetching an update", update.window)
 
     def _on_proposal(self, signed: Signed[Proposal], proposal: Proposal) -> None:
-        if proposal.window > self.machine.window:
-            if len(self._early_proposals) < _MAX_EARLY:
-                self._early_proposals[signed.record_id] = signed
-            return
-        self.carry_out(self.machine.receive_proposal(time.monotonic(), signed))
+        machine = self.machine
+        actions = machine.receive_proposal(time.monotonic(), signed)
+        if machine.holds_proposal(signed):
+            self.services.remember(signed, "proposal", proposal.window)
+        self.carry_out(actions)
 
     # -- actions --------------------------------------------------------------------------
 
@@ -126,17 +134,12 @@ class ParticipantRunner(RoleRunner):
                 self.services.store.blobs.put(blob)
 
     def _replay_early(self) -> None:
-        window = self.machine.window
-        updates, self._early_updates = self._early_updates, {}
-        for signed in updates.values():
-            if signed.record.window == window:
-                self._on_update(signed, signed.record)
-            elif signed.record.window > window:
-                self._early_updates[signed.record_id] = signed
-        proposals, self._early_proposals = self._early_proposals, {}
-        for proposal in proposals.values():
-            if proposal.record.window >= window:
-                self._on_proposal(proposal, proposal.record)
+        for signed in self._early.take(self.machine.window):
+            record = signed.record
+            if isinstance(record, Update):
+                self._on_update(signed, record)
+            elif isinstance(record, Proposal):
+                self._on_proposal(signed, record)
 
     # -- fetching -------------------------------------------------------------------------
 
@@ -158,7 +161,10 @@ class ParticipantRunner(RoleRunner):
                 # reported by the fetcher, and the trainer may be honest (its blob lost)
                 logger.warning("update %s: no good blob: %s", signed.record_id[:12], exc)
                 return
-            self.carry_out(self.machine.receive_update(time.monotonic(), signed, blob))
+            actions = self.machine.receive_update(time.monotonic(), signed, blob)
+            if self.machine.holds_update(signed.record_id):
+                self.services.remember(signed, "update", update.window)
+            self.carry_out(actions)
             return
 
     async def _fetch_updates(self, action: act.FetchUpdates) -> None:
@@ -169,5 +175,4 @@ class ParticipantRunner(RoleRunner):
             if signed is None:
                 logger.warning("nobody served update %s named by a proposal", update_id[:12])
                 continue
-            self.services.remember(signed, "update", signed.record.window)
             await self._fetch_update(signed)

@@ -117,6 +117,10 @@ class NodeStore:
     ) -> None:
         self.state.put_record(record_id, kind, envelope, experiment_id=experiment_id, height=height)
 
+    def prune_signed(self, experiment_id: str, below_height: int) -> int:
+        """Forget the updates and proposals of windows below ``below_height``."""
+        return self.state.prune_records(("update", "proposal"), experiment_id, below_height)
+
     def record(self, record_id: str) -> bytes | None:
         return self.state.get_record(record_id)
 

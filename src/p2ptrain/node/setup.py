@@ -76,6 +76,9 @@ class NodeSettings:
     fetch_timeout_s: float = 30.0
     #: A role whose steps fail this many times in a row ends the node.
     max_role_failures: int = DEFAULT_MAX_FAILURES
+    #: Keep every accepted update and proposal for good (who proposed and trained what);
+    #: otherwise a node keeps the records its roles used, for the last certified window.
+    archive: bool = False
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]

@@ -5,11 +5,12 @@ discovery), its data directory and the :class:`~.services.PeerServices` its role
 holds one runner per role machine (DESIGN §2; which runner for which roles: :mod:`.roles`).
 
 One identity, one server, one store. The shell checks every gossip message against the
-experiment (the topic validator), keeps the records a serving node keeps, and hands each
-message to every runner (gossip hands a node its own messages too, so what one role
-publishes reaches the others). It persists each
-certified head once (whichever role adopted it first), emits one ``adopted`` event per
-height, answers ``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
+experiment's intake rules (the topic validator: nothing is kept or forwarded before it
+passed them, :mod:`p2ptrain.protocol.intake`), and hands each message to every runner
+(gossip hands a node its own messages too, so what one role publishes reaches the others).
+It persists each certified head once (whichever role adopted it first) and prunes the
+updates and proposals of older windows, emits one ``adopted`` event per height, answers
+``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
 whether the chain moved past it, and writes ``status.json``.
 
 Its runners own their tasks (:mod:`.runner`); a role that fails too often in a row ends
@@ -32,12 +33,12 @@ import torch
 
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
-from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.core.records import Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
-from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered
+from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.net.node import NetNode
 from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, RoleFailure, Stopped
 from p2ptrain.node.failures import FailureBook, RoleFailed
@@ -55,6 +56,7 @@ from p2ptrain.node.status import (
     encode_status,
 )
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.torch.workload import Workload
@@ -64,7 +66,8 @@ __all__ = ["Node"]
 logger = logging.getLogger(__name__)
 
 _EXPERIMENT_KINDS = ("update", "proposal", "attestation", CERTIFICATE_KIND)
-_SERVING_ROLES = frozenset({"seed", "reducer", "validator"})
+#: The roles that use (and so keep and serve) the window's updates and proposals.
+_PARTICIPANT_ROLES = frozenset({"reducer", "validator"})
 _STATUS_EVERY_S = 2.0
 #: After its last window a serving node stays up until no blob was fetched for this long
 #: (peers fetch the last head's weights), and never longer than the maximum.
@@ -106,11 +109,15 @@ class Node:
             store=store,
             experiment_id=self.experiment_id,
             bootstrap=settings.bootstrap,
-            keeps_records=bool(roles - {"trainer"}),
+            keeps_records=bool(roles & _PARTICIPANT_ROLES),
             emit=self._emit,
         )
         self.services.on_adopted = self._adopted
-        self._keeps_updates = bool(roles & _SERVING_ROLES)
+        self.intake = IntakeRules(
+            self.manifest,
+            self.experiment_id,
+            max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(prepared.genesis)),
+        )
         self.runners = role_runners(
             settings.roles,
             prepared,
@@ -120,7 +127,6 @@ class Node:
             emit=self._emit,
             votes=store.votes(),
         )
-        self._max_update = max_update_bytes(self.manifest.codec, schema_of(prepared.genesis))
         self._net: NetNode | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -245,32 +251,30 @@ class Node:
 
     # -- gossip in ------------------------------------------------------------------------
 
-    def _check_message(self, message: Delivered) -> str | None:
-        """The topic validator: None to accept and forward, else why not (a strike)."""
+    def _check_message(self, message: Delivered) -> str | Refusal | None:
+        """The topic validator, before anything is kept or forwarded: None to accept, else
+        why not and whom it counts against (:mod:`p2ptrain.protocol.intake`)."""
         if message.kind not in _EXPERIMENT_KINDS:
             return f"{message.kind!r} does not travel on an experiment topic"
         record = message.record
         if isinstance(record, CertifiedLink):
             verdict = record.check(self.manifest, self.experiment_id)
             return None if verdict else f"bad certificate: {verdict.reason}"
-        inner = record.record
-        if getattr(inner, "experiment_id", None) != self.experiment_id:
-            return "record for another experiment"
-        if isinstance(inner, Update):
-            if inner.delta_bytes > self._max_update or inner.codec != self.manifest.codec.name:
-                return "update blob too large or in the wrong codec"
-        elif isinstance(inner, Attestation) and inner.validator not in self.manifest.validators:
-            return "attestation from a key that is not a validator"
-        return None
+        admission = self.intake.judge(record, self.height + 1)
+        return None if admission.accepted else Refusal(admission.reason, admission.blame)
 
     def _on_message(self, message: Delivered) -> None:
         record = message.record
-        if not isinstance(record, CertifiedLink):
+        if self.settings.archive and not isinstance(record, CertifiedLink):
             inner = record.record
-            if isinstance(inner, Update) and self._keeps_updates:
-                self.services.remember(record, "update", inner.window)
-            elif isinstance(inner, Proposal):
-                self.services.remember(record, "proposal", inner.window)
+            if isinstance(inner, Update | Proposal):
+                self.store.put_signed(
+                    record.record_id,
+                    message.kind,
+                    bytes(record.envelope.encode()),
+                    self.experiment_id,
+                    inner.window,
+                )
         for runner in self.runners:
             runner.receive(message)
 
@@ -291,6 +295,8 @@ class Node:
             if link is not None and link.certificate is not None:
                 self.store.put_link(link.head, link.certificate)
                 self._stored_height = height
+                if not self.settings.archive:  # older windows' records are of no use now
+                    self.store.prune_signed(self.experiment_id, height)
         if head.height > self._adopted_height:
             self._adopted_height = head.height
             now = time.monotonic()

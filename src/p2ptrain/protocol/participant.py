@@ -235,6 +235,15 @@ class Participant(Follower):
                 actions += self.receive_certificate(now, head, certificate, self.key)
         return actions
 
+    def holds_update(self, update_id: str) -> bool:
+        """Whether the open window took update ``update_id`` (it may be named and used)."""
+        return update_id in self._window.updates
+
+    def holds_proposal(self, signed: Signed[Proposal]) -> bool:
+        """Whether the open window took this proposal (it is judged, and may be asked for)."""
+        held = self._window.proposals.get(signed.record.reducer)
+        return held is not None and held.record_id == signed.record_id
+
     def reduction_of(self, head_id: str) -> Reduction | None:
         """Our own reduction that produced ``head_id`` in the open window (its blobs are what
         peers fetch from us once the head is certified)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +103,7 @@ class StateStoreStatistics:
 
     records_added: int = 0
     records_already_present: int = 0
+    records_pruned: int = 0
     certified_heads_added: int = 0
     conflicting_heads_refused: int = 0
 
@@ -216,6 +217,19 @@ class StateStore:
             )
         self._count(records_already_present=1)
         return False
+
+    def prune_records(self, kinds: Sequence[str], experiment_id: str, below_height: int) -> int:
+        """Delete the records of ``kinds`` of one experiment below ``below_height`` (records
+        a certificate refers to are never of these kinds); return how many went."""
+        _require_height(below_height)
+        marks = ", ".join("?" for _ in kinds)
+        with self._transaction(write=True) as db:
+            deleted = db.execute(
+                f"DELETE FROM records WHERE kind IN ({marks}) AND experiment_id = ? AND height < ?",
+                (*kinds, experiment_id, below_height),
+            ).rowcount
+        self._count(records_pruned=deleted)
+        return int(deleted)
 
     def get_record(self, record_id: str) -> bytes | None:
         """The envelope stored under ``record_id``, or None."""
