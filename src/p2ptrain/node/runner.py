@@ -3,9 +3,12 @@
 The node shell holds one runner per role machine (:mod:`.trainer_runner`,
 :mod:`.participant_runner`, or a plain :class:`RoleRunner` for a seed or viewer that only
 follows the chain). A runner owns its tasks in its own :class:`asyncio.TaskGroup` -- never
-the network layer's -- and carries out what its machine returns (:meth:`carry_out`):
-records go out through the shared :class:`~.services.PeerServices`, fetches run as its tasks,
-adoption is handed to the shell. Every step runs guarded (:meth:`guard`,
+the network layer's -- and carries out its policy's effects (:meth:`execute`): records go out
+through the shared :class:`~.services.PeerServices`, fetches run as its tasks,
+adoption is handed to the shell. What to do about what arrives (and about
+what the machine decides) is the :mod:`~p2ptrain.protocol.policy`'s to say, the same as in
+the simulator: the runner only carries out its effects and hands the outcome of each fetch
+back to it. Every step runs guarded (:meth:`guard`,
 :meth:`spawn`): an unexpected exception is recorded for its window in the node's
 :class:`~.failures.FailureBook` and the role goes on, until too many in a row end
 :meth:`run` with :class:`~.failures.RoleFailed`. No task of a role ends silently.
@@ -22,7 +25,6 @@ from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.core.certificate import CertifiedLink
-from p2ptrain.core.identity import peer_id_of
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
 from p2ptrain.node.events import NodeEvent, RoleFailure
@@ -30,13 +32,25 @@ from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.effects import (
+    BlobFetch,
+    ChainFetch,
+    Effect,
+    Fetch,
+    Publish,
+    RecordFetch,
+    Request,
+    StateFetch,
+    StoreBlob,
+    StoreRecord,
+    StoreVote,
+)
+from p2ptrain.protocol.policy import RolePolicy, policy_for
 from p2ptrain.protocol.role import RoleMachine
 
-__all__ = ["FETCH_ATTEMPTS", "RoleRunner"]
+__all__ = ["RoleRunner"]
 
 logger = logging.getLogger(__name__)
-
-FETCH_ATTEMPTS = 6
 
 Step = Coroutine[Any, Any, None]
 
@@ -63,6 +77,7 @@ class RoleRunner:
     ) -> None:
         self.role = role
         self.machine = machine
+        self.policy: RolePolicy = policy_for(machine)
         self.services = services
         self.failures = failures
         self.emit = emit
@@ -70,7 +85,6 @@ class RoleRunner:
         self._fatal: RoleFailed | None = None
         self._ended = asyncio.Event()
         self._wake = asyncio.Event()
-        self._fetching: set[str] = set()
         self._queued: list[tuple[Step, str, int | None]] = []
         self._finished = False
 
@@ -104,6 +118,7 @@ class RoleRunner:
 
     def start(self, now: float) -> None:
         """The node is up and restored; begin (a trainer trains its first window)."""
+        self.execute(self.policy.start(now))
 
     def state(self) -> RoleState:
         return RoleState(
@@ -179,35 +194,22 @@ class RoleRunner:
     # -- inputs ---------------------------------------------------------------------------
 
     def receive(self, message: Delivered) -> None:
-        """A verified gossip message (or one of the node's other roles published)."""
+        """A gossip message that passed intake (or one the node's other roles published)."""
         article = "an" if message.kind[:1] in ("a", "e", "i", "o", "u") else "a"
         with self.guard(f"handling {article} {message.kind}"):
-            record = message.record
+            now, record = time.monotonic(), message.record
             if isinstance(record, CertifiedLink):
                 sender = self.services.key_of(message.from_peer)
-                self.carry_out(
-                    self.machine.receive_certificate(
-                        time.monotonic(), record.head, record.certificate, sender
-                    )
-                )
+                self.execute(self.policy.certificate(now, record.head, record.certificate, sender))
             else:
-                self.receive_record(message, record.record)
-
-    def receive_record(self, message: Delivered, record: Any) -> None:
-        """An update, proposal or attestation: for the roles that want them."""
+                self.execute(self.policy.record(now, record, len(message.data)))
 
     def offer_chain(
         self, links: Any, weights: bytes, optimizer: bytes | None, sender: bytes
     ) -> None:
         """A verified-by-hash catch-up answer: adopt what lies above our chain."""
-        height = self.machine.chain.height
-        above = [(h, c) for h, c in links if h.height > height]
-        if not above:
-            return
         with self.guard("catching up"):
-            self.carry_out(
-                self.machine.receive_chain(time.monotonic(), above, weights, optimizer, sender)
-            )
+            self.execute(self.policy.chain(time.monotonic(), links, weights, optimizer, sender))
 
     async def _tick_forever(self) -> None:
         """Tick the machine when it asked to be ticked, or sooner when something arrived;
@@ -223,65 +225,87 @@ class RoleRunner:
                     await self._wake.wait()
             delay = 1.0
             with self.guard("tick"):
-                self.carry_out(machine.tick(time.monotonic()))
+                self.execute(self.policy.tick(time.monotonic()))
                 now = time.monotonic()
                 wakeup = machine.next_wakeup(now)
                 delay = 1.0 if wakeup is None else max(0.0, wakeup - now)
 
-    # -- carrying out the machine's actions -----------------------------------------------
+    # -- carrying out the policy's effects ------------------------------------------------
 
-    def carry_out(self, actions: Sequence[act.Action]) -> None:
-        for action in actions:
+    def execute(self, effects: Sequence[Effect]) -> None:
+        """Carry out ``effects`` in order (the policy put what is kept before what is sent)."""
+        for effect in effects:
             try:
-                self.do(action)
+                self.do(effect)
             except (TransportError, ProtocolViolation, OSError) as exc:
-                logger.warning("%s: %s failed: %s", self.role, type(action).__name__, exc)
+                logger.warning("%s: %s failed: %s", self.role, type(effect).__name__, exc)
         self._wake.set()
 
-    def do(self, action: act.Action) -> None:
-        """Carry out one action (subclasses take their role's own first)."""
+    def do(self, effect: Effect) -> None:
+        """Carry out one effect (the trainer takes its own first)."""
         services = self.services
-        if isinstance(action, act.SendCertificate):
-            services.publish_certificate(action.head, action.certificate)
-        elif isinstance(action, act.FetchState):
-            self.spawn(self._fetch_state(action), "fetching a head's weights")
-        elif isinstance(action, act.FetchChain):
-            address = services.net.address_of(peer_id_of(action.peer))
-            self.spawn(self.catch_up(address), "catching up")
-        elif isinstance(action, act.Adopted):
-            services.on_adopted(self.machine, action)
-            self.adopted(action)
-        elif isinstance(action, act.Reported):
-            services.report(action.peer_id, action.reason)
+        if isinstance(effect, Publish):
+            services.publish(effect.kind, effect.record)
+            self.published(effect)
+        elif isinstance(effect, StoreBlob):
+            services.store.blobs.put(effect.data)
+        elif isinstance(effect, StoreRecord):
+            services.remember(effect.signed, effect.kind, effect.window)
+        elif isinstance(effect, StoreVote):
+            services.store.put_vote(effect.height, effect.head_id)
+        elif isinstance(effect, Fetch):
+            self.spawn(self._fetch(effect), _FETCHING[type(effect.request)])
+        elif isinstance(effect, act.Adopted):
+            services.on_adopted(self.machine, effect)
+        elif isinstance(effect, act.Reported):
+            services.report(effect.peer_id, effect.reason)
         else:
-            raise TypeError(f"the {self.role} role has no use for {type(action).__name__}")
+            raise TypeError(f"the {self.role} role has no use for {type(effect).__name__}")
 
-    def adopted(self, action: act.Adopted) -> None:
-        """The machine moved to a new canonical head (after the shell stored it)."""
+    def published(self, effect: Publish) -> None:
+        """``effect`` went out (roles tell their events)."""
 
-    async def catch_up(self, address: str | None = None) -> None:
-        answer = await self.services.fetch_chain(lambda: self.machine.chain.height, address)
-        if answer is not None:
-            self.offer_chain(*answer)
-
-    async def _fetch_state(self, action: act.FetchState) -> None:
-        head, head_id = action.head, action.head_id
-        if head_id in self._fetching:
-            return
-        self._fetching.add(head_id)
-        first = [] if action.peer is None else [peer_id_of(action.peer)]
+    async def _fetch(self, fetch: Fetch) -> None:
+        """One try of ``fetch.request`` after its delay; the policy decides what follows."""
+        if fetch.delay_s > 0:
+            await asyncio.sleep(fetch.delay_s)
+        request = fetch.request
         try:
-            for attempt in range(FETCH_ATTEMPTS * 2):
-                machine = self.machine
-                if machine.chain.tip.head_id != head_id or machine.base.head_id == head_id:
-                    return
-                try:
-                    weights, optimizer = await self.services.fetch_head_blobs(head, first)
-                except (TransportError, ProtocolViolation) as exc:
-                    logger.info("weights of head %s: %s", head_id[:12], exc)
-                    await asyncio.sleep(min(5.0, 0.25 * 2**attempt))
-                    continue
-                self.carry_out(machine.receive_state(time.monotonic(), head_id, weights, optimizer))
-                return
-        finally:
-            self._fetching.discard(head_id)
+            answer = await self._answer(request)
+        except TransportError as exc:
+            logger.info("%s: %s", self.role, exc)
+            self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=False))
+        except ProtocolViolation as exc:
+            # nobody served bytes with the right hash; providers proven wrong were reported
+            logger.warning("%s: %s", self.role, exc)
+            self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=True))
+        else:
+            self.execute(self.policy.fetched(time.monotonic(), request, answer))
+
+    async def _answer(self, request: Request) -> Any:
+        services = self.services
+        if isinstance(request, BlobFetch):
+            update = request.update.record
+            return await services.fetch_blob(
+                update.delta_blob, request.first, size=update.delta_bytes
+            )
+        if isinstance(request, RecordFetch):
+            signed = await services.fetch_update_record(request.update_id, request.proposer)
+            if signed is None:
+                raise TransportError(f"nobody served update {request.update_id[:12]}")
+            return signed
+        if isinstance(request, StateFetch):
+            return await services.fetch_head_blobs(request.head, request.first)
+        address = None if request.peer is None else services.net.address_of(request.peer)
+        answer = await services.fetch_chain(lambda: self.machine.chain.height, address)
+        if answer is None:
+            raise TransportError("no peer had certified heads above ours")
+        return answer
+
+
+_FETCHING = {
+    BlobFetch: "fetching an update",
+    RecordFetch: "fetching a proposal's update",
+    StateFetch: "fetching a head's weights",
+    ChainFetch: "catching up",
+}

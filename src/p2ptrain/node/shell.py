@@ -244,7 +244,7 @@ class Node:
                         f"the stored chain in {self.settings.data_dir} does not verify "
                         f"({actions}); move the data directory away and join again"
                     )
-                runner.carry_out(actions)
+                runner.execute(runner.policy.carry(now, actions))
             logger.info("resumed at height %d (head %s)", tip.height, tip.id[:12])
         for runner in self.runners:
             runner.start(now)

@@ -9,7 +9,7 @@ gossips the signed update.
 Training a window is the role's main step: a window whose training raises is recorded as
 that window's error (see :mod:`.failures`) and no update goes out for it; the trainer trains
 the next window once the network certifies one without it, or, if the head has not moved
-after a back-off (2, 4, ... s), the same window again.
+after the policy's back-off (2, 4, ... s), the same window again.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ import time
 from collections.abc import Callable, Iterator
 
 from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.core.encoding import sha256_hex
+from p2ptrain.core.envelope import Signed
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.node.events import NodeEvent, Published, Trained
 from p2ptrain.node.failures import FailureBook
-from p2ptrain.node.runner import FETCH_ATTEMPTS, RoleRunner, Step
+from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import TrainerWindow
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.effects import Effect, Publish, TrainLater
+from p2ptrain.protocol.policy import FETCH_ATTEMPTS, TrainerPolicy
 from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.workload import Workload
@@ -39,8 +43,6 @@ __all__ = ["TRAIN_STEP", "TrainerRunner", "window_seed"]
 logger = logging.getLogger(__name__)
 
 TRAIN_STEP = "training"
-#: The longest back-off before a window whose training raised is trained again.
-_RETRY_MAX_S = 30.0
 
 
 def window_seed(peer_id: str, window: int) -> int:
@@ -53,6 +55,7 @@ def window_seed(peer_id: str, window: int) -> int:
 class TrainerRunner(RoleRunner):
     main_step = TRAIN_STEP
     machine: TrainerMachine
+    policy: TrainerPolicy
 
     def __init__(
         self,
@@ -79,17 +82,18 @@ class TrainerRunner(RoleRunner):
     def start(self, now: float) -> None:
         """Train the window after the head we hold (restored or genesis)."""
         self._load_state()
-        if self.machine.chain.height == 0:
-            self.carry_out(self.machine.start(now))
+        super().start(now)
 
-    def do(self, action: act.Action) -> None:
-        if isinstance(action, act.Train):
-            self._pending = action
+    def do(self, effect: Effect) -> None:
+        if isinstance(effect, act.Train):
+            self._pending = effect
             self._train_ready.set()
-        elif isinstance(action, act.SendUpdate):
-            self.spawn(self._publish(action), "publishing an update", action.update.record.window)
+        elif isinstance(effect, Publish) and effect.blob is not None:  # our update
+            self.spawn(self._publish(effect), "publishing an update", self.window)
+        elif isinstance(effect, TrainLater):
+            self.spawn(self._train_later(effect), "waiting to train again", effect.train.window)
         else:
-            super().do(action)
+            super().do(effect)
 
     async def _train_forever(self) -> None:
         machine = self.machine
@@ -102,16 +106,16 @@ class TrainerRunner(RoleRunner):
             failures = self.failures.in_a_row(self.role)
             with self.guard(TRAIN_STEP, action.window):
                 await self._train(action)
-            if self.failures.in_a_row(self.role) > failures:
-                self.spawn(self._retry(action), "waiting to train again", action.window)
+            in_a_row = self.failures.in_a_row(self.role)
+            if in_a_row > failures:
+                self.execute(self.policy.train_failed(time.monotonic(), action, in_a_row))
 
-    async def _retry(self, action: act.Train) -> None:
-        """Training ``action`` raised: train the same window again after a back-off, unless
+    async def _train_later(self, effect: TrainLater) -> None:
+        """Training raised: the policy offers the same window again after a back-off, unless
         a newer head came first (a network waiting for this trainer is not left stalled)."""
-        await asyncio.sleep(min(_RETRY_MAX_S, 2.0 ** self.failures.in_a_row(self.role)))
-        if self._pending is None and action.base_head == self.machine.base.head_id:
-            self._pending = action
-            self._train_ready.set()
+        await asyncio.sleep(effect.delay_s)
+        if self._pending is None:
+            self.execute(self.policy.train_due(time.monotonic(), effect.train))
 
     async def _train(self, action: act.Train) -> None:
         base = self.machine.base
@@ -134,7 +138,7 @@ class TrainerRunner(RoleRunner):
                 blob_bytes=len(blob),
             )
         )
-        self.carry_out(self.machine.finish(action.window, action.base_head, blob, before, after))
+        self.execute(self.policy.trained(time.monotonic(), action, blob, before, after))
 
     def _train_window(self, action: act.Train, base: BaseState) -> tuple[bytes, float, float]:
         """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
@@ -154,19 +158,21 @@ class TrainerRunner(RoleRunner):
         )
         return blob, result.loss_before, result.loss_after
 
-    async def _publish(self, action: act.SendUpdate) -> None:
+    async def _publish(self, effect: Publish) -> None:
+        """The blob is stored (an earlier effect); one that no peer could fetch from us is
+        pushed to a reachable peer before the update goes out."""
         services = self.services
-        blob_id = services.store.blobs.put(action.blob)
+        signed, blob = effect.record, effect.blob
+        assert isinstance(signed, Signed) and blob is not None
         if services.net.address is None:
-            await self._push(blob_id)
-        services.publish("update", action.update)
-        update = action.update.record
+            await self._push(sha256_hex(blob))
+        services.publish("update", signed)
         self.emit(
             Published(
                 peer_id=self.peer_id,
-                window=update.window,
-                update_id=action.update.record_id,
-                bytes=len(action.blob),
+                window=signed.record.window,
+                update_id=signed.record_id,
+                bytes=len(blob),
             )
         )
 

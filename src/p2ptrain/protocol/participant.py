@@ -107,6 +107,9 @@ class Participant(Follower):
         self.votes: dict[int, str] = {}  # height -> the one head id we attested there
         self._reductions: dict[frozenset[str], Reduction] = {}
         self._by_head: dict[str, Reduction] = {}
+        #: The reduction of the head adopted last, if we computed it (its blobs are kept
+        #: by the driver after the adoption that opened the next window).
+        self._adopted_reduction: Reduction | None = None
         self.last_reason = "window open"
         self.judged_count = 0
         self.wrong_count = 0
@@ -118,6 +121,7 @@ class Participant(Follower):
         order = proposer_order(
             self.manifest, self.experiment_id, base.window, self.reducers, self.dropped
         )
+        self._adopted_reduction = self._by_head.get(base.head_id)
         self._reductions.clear()
         self._by_head.clear()
         self.book.forget_through(base.head.height)
@@ -245,8 +249,11 @@ class Participant(Follower):
         return held is not None and held.record_id == signed.record_id
 
     def reduction_of(self, head_id: str) -> Reduction | None:
-        """Our own reduction that produced ``head_id`` in the open window (its blobs are what
-        peers fetch from us once the head is certified)."""
+        """Our own reduction that produced ``head_id`` in the open window, or the head just
+        adopted (its blobs are what peers fetch from us once the head is certified)."""
+        adopted = self._adopted_reduction
+        if adopted is not None and adopted.head_id == head_id:
+            return adopted
         return self._by_head.get(head_id)
 
     def tick(self, now: float) -> list[Action]:

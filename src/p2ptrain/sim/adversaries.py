@@ -1,6 +1,7 @@
 """What each simulated node sends when it trains, proposes or attests: honest behaviour,
 Byzantine trainers (the attacks of :mod:`p2ptrain.sim.attacks`) and the protocol
-adversaries of :data:`p2ptrain.sim.scenario.ADVERSARIES`.
+adversaries of :data:`p2ptrain.sim.scenario.ADVERSARIES`. They act through the public
+:class:`~p2ptrain.sim.outbox.Outbox` only, as a peer on the wire would.
 
 Byzantine trainers collude but are not omniscient here: each forges from its own honest
 update (``AttackContext.honest`` is that update alone).
@@ -24,58 +25,65 @@ from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.attacks import AttackContext, attack_named
 
 if TYPE_CHECKING:
-    from p2ptrain.sim.world import World, _Node
+    from p2ptrain.sim.outbox import Outbox, Sender
+    from p2ptrain.sim.workloads import SimWorkload
 
 __all__ = ["equivocate", "proposal_to_send", "trained_update"]
 
 
-def trained_update(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
-    """The trainer finished its window: send what its behaviour says."""
+def trained_update(
+    outbox: Outbox,
+    sender: Sender,
+    machine: TrainerMachine,
+    action: act.Train,
+    *,
+    workload: SimWorkload,
+    trainer_index: int,
+    encoder: Any,
+) -> tuple[bytes, float, float] | None:
+    """The trainer's window is done: the honest (or Byzantine) blob and losses to hand its
+    policy, or None when an adversary sent what its behaviour says instead."""
     base = machine.base
     if base.head_id != action.base_head:
-        return  # the head moved while training: the work is stale
-    behaviour = node.behaviour
+        return None  # the head moved while training: the work is stale
+    behaviour = sender.behaviour
     if behaviour == "replayer":
-        _replay(world, node, action.window)
+        _replay(outbox, sender, action.window)
     elif behaviour == "forger":
-        _forge(world, node, machine, action)
+        _forge(outbox, sender, machine, action)
     elif behaviour == "stale":
-        _stale(world, node, machine, action)
+        _stale(outbox, sender, machine, action)
     if behaviour in ("replayer", "forger", "stale"):
-        return
+        return None
+    scenario = outbox.scenario
     lease = machine.lease(action.window)
-    attack = attack_named(world.scenario.attack) if behaviour == "byzantine" else None
+    attack = attack_named(scenario.attack) if behaviour == "byzantine" else None
     poison = attack is not None and attack.poisons_data
-    delta, before, after = world.workload.train(
-        base.weights, lease, node.trainer_index, action.window, poison=poison
+    delta, before, after = workload.train(
+        base.weights, lease, trainer_index, action.window, poison=poison
     )
     if attack is not None and not attack.poisons_data:
         own = flatten(delta)
-        generator = torch.Generator().manual_seed(world.scenario.seed * 7919 + node.trainer_index)
-        context = AttackContext(own, [own], world.scenario.byzantine, world.scenario.trainers,
-                                generator)  # fmt: skip
+        generator = torch.Generator().manual_seed(scenario.seed * 7919 + trainer_index)
+        context = AttackContext(own, [own], scenario.byzantine, scenario.trainers, generator)
         delta = unflatten(attack.forge(context), delta)
     try:
-        blob = node.encoder.encode(delta)
+        blob = encoder.encode(delta)
     except LocalError:  # e.g. NaN: the codec refuses, so send the raw tensors instead
         blob = bytes(encode_state_dict(delta))
-    world._carry_out(node, machine.finish(action.window, action.base_head, blob, before, after))
+    return blob, before, after
 
 
-def _send_update(world: World, node: _Node, envelope: bytes, blob: bytes) -> None:
-    world._send(node, world.participants, ("update", envelope, blob), len(envelope) + len(blob))
-
-
-def _replay(world: World, node: _Node, window: int) -> None:
+def _replay(outbox: Outbox, sender: Sender, window: int) -> None:
     """Re-send up to 20 updates of the previous window (seen on the wire)."""
     old = [
         (update_id, sent)
-        for update_id, sent in sorted(world.published.items())
-        if world.observer.window_of(update_id) == window - 1
+        for update_id, sent in sorted(outbox.published.items())
+        if outbox.observer.window_of(update_id) == window - 1
     ][:20]
     for update_id, (envelope, blob) in old:
-        world.observer.replayed.add(update_id)
-        _send_update(world, node, envelope, blob)
+        outbox.observer.replayed.add(update_id)
+        outbox.send_update(sender, envelope, blob)
 
 
 def _forged_update(machine: TrainerMachine, action: act.Train, shards: tuple[str, ...]) -> Update:
@@ -95,7 +103,7 @@ def _forged_update(machine: TrainerMachine, action: act.Train, shards: tuple[str
     )
 
 
-def _forge(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
+def _forge(outbox: Outbox, sender: Sender, machine: TrainerMachine, action: act.Train) -> None:
     """A bad signature (caught when the envelope is opened), and a correctly signed update
     with a cherry-picked lease (rejected by every reducer; strikes lead to quarantine)."""
     all_shards = tuple(sorted(s.name for s in machine.manifest.dataset.shards))
@@ -105,16 +113,16 @@ def _forge(world: World, node: _Node, machine: TrainerMachine, action: act.Train
     broken[0] ^= 0xFF
     bad = Envelope(kind=forged.envelope.kind, payload=forged.envelope.payload,
                    signer=forged.envelope.signer, signature=bytes(broken))  # fmt: skip
-    world.observer.forged.add(forged.record_id)
-    _send_update(world, node, bad.encode(), b"\x00" * 64)
+    outbox.observer.forged.add(forged.record_id)
+    outbox.send_update(sender, bad.encode(), b"\x00" * 64)
     if machine.lease(action.window).shards != picked:
         cherry = seal(machine.identity, _forged_update(machine, action, picked))
-        world.observer.saw_update(cherry, "forger")
-        world.published[cherry.record_id] = (cherry.envelope.encode(), b"\x00" * 64)
-        _send_update(world, node, *world.published[cherry.record_id])
+        outbox.observer.saw_update(cherry, "forger")
+        envelope = bytes(cherry.envelope.encode())
+        outbox.send_update(sender, envelope, b"\x00" * 64, cherry.record_id)
 
 
-def _stale(world: World, node: _Node, machine: TrainerMachine, action: act.Train) -> None:
+def _stale(outbox: Outbox, sender: Sender, machine: TrainerMachine, action: act.Train) -> None:
     """An update built on the genesis head whatever the canonical head is."""
     genesis = machine.chain.at(0)
     assert genesis is not None
@@ -123,16 +131,16 @@ def _stale(world: World, node: _Node, machine: TrainerMachine, action: act.Train
     update = _forged_update(machine, act.Train(action.window, genesis.head_id), tuple(
         machine.lease(action.window).shards))  # fmt: skip
     signed = seal(machine.identity, update)
-    world.observer.stale.add(signed.record_id)
-    _send_update(world, node, signed.envelope.encode(), b"\x00" * 64)
+    outbox.observer.stale.add(signed.record_id)
+    outbox.send_update(sender, bytes(signed.envelope.encode()), b"\x00" * 64)
 
 
 def proposal_to_send(
-    world: World, node: _Node, signed: Signed[Proposal]
+    outbox: Outbox, sender: Sender, signed: Signed[Proposal]
 ) -> Signed[Proposal] | None:
-    if node.behaviour == "silent_reducer":
+    if sender.behaviour == "silent_reducer":
         return None
-    if node.behaviour != "lying_reducer":
+    if sender.behaviour != "lying_reducer":
         return signed
     honest = signed.record
     lie = Head(
@@ -146,29 +154,30 @@ def proposal_to_send(
     )
     fields: dict[str, Any] = {f: getattr(honest, f) for f in honest.__struct_fields__}
     fields["head"] = lie
-    forged = seal(node.identity, Proposal(**fields))
-    world.observer.lies.add(lie.id)
+    forged = seal(sender.identity, Proposal(**fields))
+    outbox.observer.lies.add(lie.id)
     return forged
 
 
-def equivocate(world: World, node: _Node, honest: Signed[Attestation]) -> list[Signed[Attestation]]:
+def equivocate(
+    outbox: Outbox, sender: Sender, honest: Signed[Attestation]
+) -> list[Signed[Attestation]]:
     """An equivocating validator also attests a forged head at the same height, and sends
     a certificate for it when its own signature is a quorum (a minority-quorum manifest)."""
-    if node.behaviour != "equivocating_validator":
+    if sender.behaviour != "equivocating_validator":
         return []
     record = honest.record
-    machine = node.machine
     forged = Head(
         experiment_id=record.experiment_id,
         height=record.height,
-        parent=machine.base.head_id,
+        parent=sender.machine.base.head_id,
         weights_blob=sha256_hex(f"forged/{record.height}".encode()),
         optimizer_blob=None,
     )
-    second = seal(node.identity, Attestation(experiment_id=record.experiment_id,
+    second = seal(sender.identity, Attestation(experiment_id=record.experiment_id,
                   height=record.height, head_id=forged.id, validator=record.validator))  # fmt: skip
-    world.observer.lies.add(forged.id)
+    outbox.observer.lies.add(forged.id)
     certificate = QuorumCertificate.assemble([second])
-    if certificate.verify(world.manifest):
-        world._do_send_certificate(node, act.SendCertificate(forged, certificate))
+    if certificate.verify(outbox.manifest):
+        outbox.send_certificate(sender, forged, certificate)
     return [second]

@@ -1,12 +1,16 @@
-"""A simulated network: real protocol machines on a virtual network, faults and adversaries.
+"""A simulated network: real protocol machines and the node's own policy on a virtual
+network, with faults and adversaries.
 
 Every node runs the real state machines of :mod:`p2ptrain.protocol` (and through them the
-real aggregation, codecs and signatures); records travel as signed envelope bytes and are
-opened with :func:`open_envelope`, so a forged signature is caught exactly as in a node.
-Control-plane fan-out is modelled as direct sends to the nodes that act on a message
-(updates to reducers and validators, attestations to them, certificates to everyone); the
-gossip overlay itself is the network layer's job. A global observer checks the safety
-invariants (:mod:`.invariants`) from everything the nodes certify and adopt.
+real aggregation, codecs and signatures) behind the same intake rules
+(:mod:`p2ptrain.protocol.intake`) and effect policy (:mod:`p2ptrain.protocol.policy`) as a
+real node. The world is only their transport: it carries out each effect -- a record sent
+through the :class:`~.outbox.Outbox`, bytes kept in the node's in-memory store, one try of
+a fetch answered from another node's store (or lost, and timed out), a wait, a training
+run -- and hands what comes back to the policy. Records travel as signed envelope bytes and
+are opened with :func:`open_envelope`, so a forged signature is caught exactly as in a node.
+A global observer checks the safety invariants (:mod:`.invariants`) from everything the
+nodes certify and adopt.
 """
 
 from __future__ import annotations
@@ -14,14 +18,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from p2ptrain.aggregate.codecs import make_encoder
-from p2ptrain.core.certificate import QuorumCertificate
+from p2ptrain.aggregate.codecs import make_encoder, max_update_bytes
+from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import sha256_hex
-from p2ptrain.core.envelope import open_envelope
+from p2ptrain.core.envelope import KINDS, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import (
     AggregationSpec,
@@ -30,26 +33,41 @@ from p2ptrain.core.manifests import (
     WindowSpec,
     WorkloadSpec,
 )
-from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.core.records import Head, Update
 from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.effects import (
+    BlobFetch,
+    ChainFetch,
+    Effect,
+    Fetch,
+    Publish,
+    RecordFetch,
+    Request,
+    StateFetch,
+    StoreBlob,
+    StoreRecord,
+    StoreVote,
+    TrainLater,
+)
 from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.policy import RolePolicy, TrainerPolicy, policy_for
 from p2ptrain.protocol.trainer import TrainerMachine
-from p2ptrain.sim.adversaries import equivocate, proposal_to_send, trained_update
+from p2ptrain.sim.adversaries import trained_update
 from p2ptrain.sim.engine import LinkSpec, Network, Partition, Simulator
 from p2ptrain.sim.invariants import Observer
+from p2ptrain.sim.outbox import GOSSIP, Outbox, Sender
 from p2ptrain.sim.scenario import Scenario
 from p2ptrain.sim.workloads import make_workload
 
 __all__ = ["World"]
 
 MAX_ENVELOPE = 1 << 20
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
+#: A fetch nobody answered in this long failed in transit (its request or answer was lost).
+FETCH_TIMEOUT_S = 10.0
 
 
 def _identity(seed: int, name: str) -> Identity:
@@ -68,6 +86,20 @@ class _Node:
     timer: Any = None
     trainer_index: int = -1
     encoder: Any = None
+    policy: RolePolicy = field(init=False)
+    #: What the node keeps: blobs by hash, signed records by id (lost in a crash are
+    #: neither: a node's store is on disk).
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    records: dict[str, bytes] = field(default_factory=dict)
+    #: Fetches in flight: token -> request.
+    pending: dict[int, Request] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.policy = policy_for(self.machine)
+
+    @property
+    def sender(self) -> Sender:
+        return Sender(self.name, self.identity, self.behaviour, self.machine)
 
 
 class World:
@@ -82,17 +114,31 @@ class World:
         self.workload = make_workload(scenario.workload, scenario.seed)
         self.genesis = self.workload.genesis()
         self.nodes: dict[str, _Node] = {}
-        #: update id -> (signed envelope, blob) of every update sent, to serve fetches
-        self.published: dict[str, tuple[bytes, bytes]] = {}
-        self.by_key: dict[bytes, str] = {}
+        self.by_peer: dict[str, str] = {}
+        self._tokens = 0
         names = self._names()
         validator_ids = {n: _identity(scenario.seed, n) for n in names["validator"]}
         reducer_ids = {n: _identity(scenario.seed, n) for n in names["reducer"]}
-        self.manifest = self._manifest(list(validator_ids.values()))
+        self.manifest = self._manifest(list(validator_ids.values()), list(reducer_ids.values()))
         self.observer = Observer(self.manifest)
         self.observer.now = lambda: self.sim.now
         reducers = [i.public_key for i in reducer_ids.values()]
         self.participants: list[str] = [*reducer_ids, *validator_ids]
+        self.intake = IntakeRules(
+            self.manifest,
+            self.manifest.id,
+            max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(self.genesis)),
+        )
+        self.outbox = Outbox(
+            self.net,
+            self.observer,
+            self.manifest,
+            scenario,
+            participants=self.participants,
+            validators=list(validator_ids),
+            everyone=lambda: list(self.nodes),
+        )
+        self._genesis_blob = bytes(encode_state_dict(self.genesis))
         for name, identity in [*reducer_ids.items(), *validator_ids.items()]:
             role = "validator" if name in validator_ids else "reducer"
             machine = Participant(
@@ -139,7 +185,7 @@ class World:
         return {"trainer": trainers, "validator": validators, "reducer": reducers,
                 "behaviour": behaviour}  # fmt: skip
 
-    def _manifest(self, validators: list[Identity]) -> ExperimentManifest:
+    def _manifest(self, validators: list[Identity], reducers: list[Identity]) -> ExperimentManifest:
         s = self.scenario
         authority = _identity(s.seed, "authority")
         train = self.workload.train_seconds
@@ -160,6 +206,7 @@ class World:
             codec=CodecSpec(name=s.codec),
             aggregation=AggregationSpec(rule=s.rule),
             validators=tuple(sorted(v.public_key for v in validators)),
+            reducers=tuple(sorted(r.public_key for r in reducers)),
             quorum=s.quorum,
             lease_size=min(64, sum(x.samples for x in self.workload.dataset().shards)),
             genesis_weights=sha256_hex(bytes(encode_state_dict(self.genesis))),
@@ -167,7 +214,8 @@ class World:
 
     def _add(self, node: _Node) -> None:
         self.nodes[node.name] = node
-        self.by_key[node.identity.public_key] = node.name
+        self.by_peer[node.identity.peer_id] = node.name
+        node.blobs[sha256_hex(self._genesis_blob)] = self._genesis_blob
         self.net.add_node(node.name, functools.partial(self._deliver, node))
 
     def _node(self, name: str) -> _Node:
@@ -180,9 +228,8 @@ class World:
     def run(self) -> None:
         s = self.scenario
         for node in self.nodes.values():
-            if node.role == "trainer":
-                self._carry_out(node, node.machine.start(0.0))  # type: ignore[attr-defined]
-            else:
+            self._carry(node, node.policy.start(0.0))
+            if node.role != "trainer":
                 self._schedule_tick(node)
         for node in self.nodes.values():
             if node.behaviour == "silent":
@@ -213,14 +260,14 @@ class World:
             node = self.nodes[name]
             tip = node.machine.chain.tip
             if node.up and tip.certificate is not None and node.behaviour == "honest":
-                self._do_send_certificate(node, act.SendCertificate(tip.head, tip.certificate))
+                self.outbox.send_certificate(node.sender, tip.head, tip.certificate)
 
     def _schedule_tick(self, node: _Node) -> None:
         """Wake the participant at its next slot boundary (moved only when it changed: a
         new window opened)."""
-        machine = node.machine
-        assert isinstance(machine, Participant)
-        when = machine.next_wakeup(self.sim.now)
+        when = node.machine.next_wakeup(self.sim.now)
+        if when is None:
+            return
         if node.timer is not None:
             if node.timer.when == when:
                 return
@@ -231,215 +278,257 @@ class World:
         node.timer = None
         if not node.up:
             return
-        assert isinstance(node.machine, Participant)
-        self._carry_out(node, node.machine.tick(self.sim.now))
+        self._carry(node, node.policy.tick(self.sim.now))
         self._schedule_tick(node)
 
     def _crash(self, node: _Node) -> None:
         node.up = False
         self.net.set_up(node.name, False)
+        node.pending.clear()
         if node.timer is not None:
             node.timer.cancel()
             node.timer = None
 
     def _restart(self, node: _Node) -> None:
-        """Back from a crash: what a node persists (chain, votes, weights) survives, the
-        window's in-memory updates and proposals do not."""
+        """Back from a crash: what a node persists (chain, votes, weights, its store)
+        survives; the window's in-memory updates and proposals, and its policy's buffers,
+        do not."""
         node.up = True
         self.net.set_up(node.name, True)
         machine = node.machine
+        node.policy = policy_for(machine)
         if isinstance(machine, Participant):
             machine.restart(self.sim.now)
             self._schedule_tick(node)
         elif isinstance(machine, TrainerMachine):
-            self._carry_out(node, machine.start(self.sim.now))
+            self._carry(node, node.policy.carry(self.sim.now, machine.start(self.sim.now)))
 
-    # --- messages ------------------------------------------------------------------------
-
-    def _send(self, node: _Node, to: list[str], message: tuple[Any, ...], size: int) -> None:
-        self.net.broadcast(node.name, to, message, size)
+    # --- what arrives --------------------------------------------------------------------
 
     def _deliver(self, node: _Node, sender: str, message: object) -> None:
         if not node.up:
             return
         assert isinstance(message, tuple)
         kind = message[0]
-        handler = getattr(self, f"_on_{kind}")
+        if kind == GOSSIP:
+            self._gossip(node, sender, *message[1:])
+        elif kind == _ASK:
+            self._answer(node, sender, *message[1:])
+        elif kind == _ANSWER:
+            self._answered(node, *message[1:])
+        if node.timer is not None:
+            self._schedule_tick(node)
+
+    def _gossip(
+        self, node: _Node, sender: str, kind: str, payload: Any, blob: bytes | None
+    ) -> None:
+        """A record on the wire: verified and judged by the intake rules before the node's
+        policy sees it (the same order as a node's topic validator)."""
+        now = self.sim.now
+        if isinstance(payload, CertifiedLink):
+            # verified by the chain it extends (a node's topic validator checks it first
+            # only because it forwards it; nobody forwards here)
+            self.observer.saw_certificate(payload.head, payload.certificate, node.name)
+            key = self.nodes[sender].identity.public_key
+            self._carry(node, node.policy.certificate(now, payload.head, payload.certificate, key))
+            return
         try:
-            actions: list[act.Action] = handler(node, sender, *message[1:])
+            signed = open_envelope(payload, KINDS[kind].type, max_bytes=MAX_ENVELOPE)
         except ProtocolViolation as error:
             self.observer.rejected_from(sender, f"{kind}: {error}")
             return
-        self._carry_out(node, actions)
-        if isinstance(node.machine, Participant) and node.timer is not None:
-            self._schedule_tick(node)
+        admission = self.intake.judge(signed, node.machine.chain.height + 1)
+        if admission.rejected:
+            self.observer.rejected_from(sender, f"{kind}: {admission.reason}")
+            return
+        if not admission.accepted:
+            return
+        if blob is not None and isinstance(signed.record, Update):
+            self._hold_blob(node, signed.record.delta_blob, blob)
+        self._carry(node, node.policy.record(now, signed, len(payload)))
 
     @staticmethod
-    def _participant(node: _Node) -> Participant | None:
-        return node.machine if isinstance(node.machine, Participant) else None
+    def _hold_blob(node: _Node, blob_id: str, blob: bytes) -> None:
+        """A blob that came with its update (a node would fetch it from the trainer at
+        once): kept if it is what the update names."""
+        if sha256_hex(blob) == blob_id:
+            node.blobs[blob_id] = blob
 
-    def _on_update(
-        self, node: _Node, sender: str, envelope: bytes, blob: bytes
-    ) -> list[act.Action]:
-        machine = self._participant(node)
-        if machine is None:
-            return []
-        signed = open_envelope(envelope, Update, max_bytes=MAX_ENVELOPE)
-        return machine.receive_update(self.sim.now, signed, blob)
+    # --- effects -------------------------------------------------------------------------
 
-    def _on_updates(
-        self, node: _Node, sender: str, updates: list[tuple[bytes, bytes]]
-    ) -> list[act.Action]:
-        actions: list[act.Action] = []
-        for envelope, blob in updates:
-            actions += self._on_update(node, sender, envelope, blob)
-        return actions
+    def _carry(self, node: _Node, effects: list[Effect]) -> None:
+        """Carry out a node's effects in order: the simulator is only their transport."""
+        for effect in effects:
+            if isinstance(effect, Publish):
+                self.outbox.publish(node.sender, effect)
+            elif isinstance(effect, StoreBlob):
+                node.blobs[sha256_hex(effect.data)] = effect.data
+            elif isinstance(effect, StoreRecord):
+                node.records[effect.signed.record_id] = bytes(effect.signed.envelope.encode())
+            elif isinstance(effect, StoreVote):
+                pass  # the machine's votes outlive a simulated crash already
+            elif isinstance(effect, Fetch):
+                self.sim.call_later(effect.delay_s, functools.partial(self._try, node, effect))
+            elif isinstance(effect, TrainLater):
+                due = functools.partial(self._due, node, effect.train)
+                self.sim.call_later(effect.delay_s, due)
+            elif isinstance(effect, act.Train):
+                self._train(node, effect)
+            elif isinstance(effect, act.Reported):
+                self.observer.reported(node.name, effect.peer_id, effect.reason)
+            elif isinstance(effect, act.Adopted):
+                self._keep_head(node, effect)
+                self.observer.adopted(node.name, effect.head, effect.head_id, self.sim.now)
 
-    def _on_proposal(self, node: _Node, sender: str, envelope: bytes) -> list[act.Action]:
-        machine = self._participant(node)
-        if machine is None:
-            return []
-        proposal = open_envelope(envelope, Proposal, max_bytes=MAX_ENVELOPE)
-        return machine.receive_proposal(self.sim.now, proposal)
+    def _keep_head(self, node: _Node, adopted: act.Adopted) -> None:
+        """The adopted head's state is kept (peers fetch it from here)."""
+        head = adopted.head
+        if head.weights_blob in node.blobs:
+            return
+        state = node.machine.state_of(adopted.head_id)
+        for blob in state or ():
+            if blob is not None:
+                node.blobs[sha256_hex(blob)] = blob
 
-    def _on_attestation(self, node: _Node, sender: str, envelope: bytes) -> list[act.Action]:
-        machine = self._participant(node)
-        if machine is None:
-            return []
-        attestation = open_envelope(envelope, Attestation, max_bytes=MAX_ENVELOPE)
-        return machine.receive_attestation(self.sim.now, attestation)
+    def _due(self, node: _Node, train: act.Train) -> None:
+        if node.up and isinstance(node.policy, TrainerPolicy):
+            self._carry(node, node.policy.train_due(self.sim.now, train))
 
-    def _on_certificate(
-        self, node: _Node, sender: str, head: Head, certificate: QuorumCertificate, key: bytes
-    ) -> list[act.Action]:
-        self.observer.saw_certificate(head, certificate, node.name)
-        return node.machine.receive_certificate(self.sim.now, head, certificate, key)
-
-    def _on_fetch_updates(
-        self, node: _Node, sender: str, update_ids: tuple[str, ...]
-    ) -> list[act.Action]:
-        machine = self._participant(node)
-        if machine is not None:
-            found = machine.provide_updates(update_ids)
-            updates = [self.published[s.update_id] for s in found]
-            size = sum(len(e) + len(b) for e, b in updates) + 64
-            self._send(node, [sender], ("updates", updates), size)
-        return []
-
-    def _on_fetch_state(self, node: _Node, sender: str, head_id: str) -> list[act.Action]:
-        state = node.machine.state_of(head_id)
-        if state is not None:
-            size = len(state[0]) + len(state[1] or b"") + 64
-            self._send(node, [sender], ("state", head_id, *state), size)
-        return []
-
-    def _on_state(
-        self, node: _Node, sender: str, head_id: str, weights: bytes, optimizer: bytes | None
-    ) -> list[act.Action]:
-        return node.machine.receive_state(self.sim.now, head_id, weights, optimizer)
-
-    def _on_fetch_chain(self, node: _Node, sender: str, after_height: int) -> list[act.Action]:
-        chain = node.machine.chain
-        links = chain.links_after(after_height)
-        state = node.machine.state_of(chain.tip.head_id)
-        if links and state is not None:
-            size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
-            self._send(node, [sender], ("chain", links, *state), size)
-        return []
-
-    def _on_chain(
-        self,
-        node: _Node,
-        sender: str,
-        links: list[tuple[Head, QuorumCertificate]],
-        weights: bytes,
-        optimizer: bytes | None,
-    ) -> list[act.Action]:
-        key = self.nodes[sender].identity.public_key
-        return node.machine.receive_chain(self.sim.now, links, weights, optimizer, key)
-
-    # --- actions -------------------------------------------------------------------------
-
-    def _carry_out(self, node: _Node, actions: list[act.Action]) -> None:
-        for action in actions:
-            handler = getattr(self, "_do_" + _snake(type(action).__name__))
-            handler(node, action)
-
-    def _do_train(self, node: _Node, action: act.Train) -> None:
+    def _train(self, node: _Node, action: act.Train) -> None:
         if node.stopped:
             return
         delay = self.workload.train_seconds * (0.8 + 0.4 * self.rng.random())
         self.sim.call_later(delay, lambda: self._trained(node, action))
 
     def _trained(self, node: _Node, action: act.Train) -> None:
-        machine = node.machine
-        assert isinstance(machine, TrainerMachine)
+        machine, policy = node.machine, node.policy
+        assert isinstance(machine, TrainerMachine) and isinstance(policy, TrainerPolicy)
         if not node.up or node.stopped:
             return
-        trained_update(self, node, machine, action)
+        result = trained_update(
+            self.outbox,
+            node.sender,
+            machine,
+            action,
+            workload=self.workload,
+            trainer_index=node.trainer_index,
+            encoder=node.encoder,
+        )
+        if result is not None:
+            self._carry(node, policy.trained(self.sim.now, action, *result))
 
-    def _do_send_update(self, node: _Node, action: act.SendUpdate) -> None:
-        envelope = bytes(action.update.envelope.encode())
-        self.published[action.update.record_id] = (envelope, action.blob)
-        self.observer.saw_update(action.update, node.behaviour)
-        size = len(envelope) + len(action.blob)
-        self._send(node, self.participants, ("update", envelope, action.blob), size)
+    # --- fetching: one try per Fetch effect ----------------------------------------------
 
-    def _do_send_proposal(self, node: _Node, action: act.SendProposal) -> None:
-        signed = proposal_to_send(self, node, action.proposal)
-        if signed is None:
+    def _try(self, node: _Node, fetch: Fetch) -> None:
+        """One try: from the node's own store if it holds the answer, else ask one peer
+        (whom the policy named, or any participant) and time out if nobody answers."""
+        if not node.up:
             return
-        envelope = bytes(signed.envelope.encode())
-        self.observer.saw_proposal(signed.record)
-        validators = [n for n in self.participants if self.nodes[n].role == "validator"]
-        self._send(node, validators, ("proposal", envelope), len(envelope))
+        request = fetch.request
+        local = self._lookup(node, request)
+        if local is not None:
+            self._carry(node, node.policy.fetched(self.sim.now, request, local))
+            return
+        target = self._target(node, request)
+        if target is None:
+            self._carry(node, node.policy.fetch_failed(self.sim.now, request, proven_bad=False))
+            return
+        self._tokens += 1
+        token = self._tokens
+        node.pending[token] = request
+        self.net.send(node.name, target, (_ASK, token, request), 128)
+        self.sim.call_later(FETCH_TIMEOUT_S, lambda: self._answered(node, token, None))
 
-    def _do_send_attestation(self, node: _Node, action: act.SendAttestation) -> None:
-        for signed in [action.attestation, *equivocate(self, node, action.attestation)]:
-            envelope = bytes(signed.envelope.encode())
-            self._send(node, self.participants, ("attestation", envelope), len(envelope))
+    def _target(self, node: _Node, request: Request) -> str | None:
+        named: tuple[str | None, ...]
+        if isinstance(request, BlobFetch | StateFetch):
+            named = request.first
+        elif isinstance(request, RecordFetch):
+            named = (request.proposer,)
+        else:
+            named = (request.peer,)
+        for peer_id in named:
+            name = self.by_peer.get(peer_id or "")
+            if name is not None and name != node.name:
+                return name
+        others = [p for p in self.participants if p != node.name]
+        return self.rng.choice(others) if others else None
 
-    def _do_send_certificate(self, node: _Node, action: act.SendCertificate) -> None:
-        self.observer.saw_certificate(action.head, action.certificate, node.name)
-        message = ("certificate", action.head, action.certificate, node.identity.public_key)
-        size = 512 + 96 * len(action.certificate.signatures) + 64 * len(action.head.accepted)
-        self._send(node, list(self.nodes), message, size)
+    def _lookup(self, node: _Node, request: Request) -> Any:
+        """What ``node`` holds to answer ``request``, or None."""
+        if isinstance(request, BlobFetch):
+            return node.blobs.get(request.update.record.delta_blob)
+        if isinstance(request, RecordFetch):
+            raw = node.records.get(request.update_id)
+            return None if raw is None else open_envelope(raw, Update)
+        if isinstance(request, StateFetch):
+            return self._state(node, request.head)
+        return None  # a catch-up always asks a peer
 
-    def _do_fetch_updates(self, node: _Node, action: act.FetchUpdates) -> None:
-        target = self.by_key.get(action.peer)
-        if target is not None:
-            self._send(
-                node, [target], ("fetch_updates", action.update_ids), 64 * len(action.update_ids)
-            )
+    def _state(self, node: _Node, head: Head) -> tuple[bytes, bytes | None] | None:
+        weights = node.blobs.get(head.weights_blob)
+        optimizer = None if head.optimizer_blob is None else node.blobs.get(head.optimizer_blob)
+        if weights is None or (head.optimizer_blob is not None and optimizer is None):
+            return None
+        return weights, optimizer
 
-    def _do_fetch_state(self, node: _Node, action: act.FetchState) -> None:
-        target = self.by_key.get(action.peer) if action.peer else None
-        if target is None or target == node.name:
-            target = self.rng.choice(self.participants)
-        self._send(node, [target], ("fetch_state", action.head_id), 128)
-        # ask another participant too if the first has moved on by the time it answers
-        self.sim.call_later(10.0, lambda: self._refetch(node, action.head_id))
+    def _answer(self, node: _Node, asker: str, token: int, request: Request) -> None:
+        """Serve a peer's fetch from what this node keeps (None: it holds nothing)."""
+        answer: Any = None
+        size = 64
+        if isinstance(request, ChainFetch):
+            links = node.machine.chain.links_after(request.after_height)
+            state = self._state(node, links[-1][0]) if links else None
+            if state is not None:
+                answer = (links, *state, node.identity.public_key)
+                size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
+        else:
+            answer = self._lookup(node, request)
+            if isinstance(answer, bytes):
+                size += len(answer)
+            elif isinstance(answer, tuple):
+                size += len(answer[0]) + len(answer[1] or b"")
+            elif answer is not None:
+                answer = bytes(answer.envelope.encode())
+                size += len(answer)
+        self.net.send(node.name, asker, (_ANSWER, token, answer), size)
 
-    def _refetch(self, node: _Node, head_id: str) -> None:
-        if (
-            node.up
-            and node.machine.chain.tip.head_id == head_id
-            and node.machine.base.head_id != head_id
-        ):
-            self._send(node, [self.rng.choice(self.participants)], ("fetch_state", head_id), 128)
-            self.sim.call_later(10.0, lambda: self._refetch(node, head_id))
-
-    def _do_fetch_chain(self, node: _Node, action: act.FetchChain) -> None:
-        target = self.by_key.get(action.peer) or self.rng.choice(self.participants)
-        self._send(node, [target], ("fetch_chain", action.after_height), 128)
-
-    def _do_adopted(self, node: _Node, action: act.Adopted) -> None:
-        self.observer.adopted(node.name, action.head, action.head_id, self.sim.now)
-
-    def _do_reported(self, node: _Node, action: act.Reported) -> None:
-        self.observer.reported(node.name, action.peer_id, action.reason)
+    def _answered(self, node: _Node, token: int, answer: Any) -> None:
+        """An answer (None: the peer held nothing, or nobody answered in time): checked
+        against what was asked, then handed to the policy."""
+        request = node.pending.pop(token, None)
+        if request is None or not node.up:
+            return  # answered already, or timed out
+        now = self.sim.now
+        if answer is None:
+            self._carry(node, node.policy.fetch_failed(now, request, proven_bad=False))
+            return
+        if isinstance(request, BlobFetch):
+            if sha256_hex(answer) != request.update.record.delta_blob:
+                self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
+                return
+            node.blobs[request.update.record.delta_blob] = answer
+        elif isinstance(request, RecordFetch):
+            answer = open_envelope(answer, Update, max_bytes=MAX_ENVELOPE)
+            if answer.record_id != request.update_id:
+                self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
+                return
+        elif isinstance(request, StateFetch | ChainFetch):
+            head = request.head if isinstance(request, StateFetch) else answer[0][-1][0]
+            weights, optimizer = answer if isinstance(request, StateFetch) else answer[1:3]
+            if sha256_hex(weights) != head.weights_blob:
+                self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
+                return
+            node.blobs[head.weights_blob] = weights
+            if optimizer is not None:
+                node.blobs[sha256_hex(optimizer)] = optimizer
+        self._carry(node, node.policy.fetched(now, request, answer))
 
     # --- results -------------------------------------------------------------------------
 
     def honest_nodes(self) -> list[_Node]:
         return [n for n in self.nodes.values() if n.behaviour == "honest" and n.up]
+
+
+_ASK = "ask"
+_ANSWER = "answer"

@@ -1,0 +1,127 @@
+"""What the effect policy (:mod:`.policy`) asks its transport to do: the node or the simulator.
+
+Effects are primitives of a transport -- send, keep, fetch once, train, wait -- with every
+decision already taken: what to keep before what is sent (a list of effects is carried out
+in order), whom to ask first, how long to wait before asking again. A transport carries
+them out and hands each fetch's outcome back to the policy (:meth:`RolePolicy.fetched`,
+:meth:`RolePolicy.fetch_failed`), which decides what follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from p2ptrain.core.certificate import CertifiedLink
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.records import Head, Update
+from p2ptrain.protocol.actions import Adopted, Reported, Train
+
+__all__ = [
+    "BlobFetch",
+    "ChainFetch",
+    "Effect",
+    "Fetch",
+    "Publish",
+    "RecordFetch",
+    "Request",
+    "StateFetch",
+    "StoreBlob",
+    "StoreRecord",
+    "StoreVote",
+    "TrainLater",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Send a signed record (or a certified head) to the peers that act on it, and to the
+    node's other roles. An update's ``blob`` is stored before (a :class:`StoreBlob`)."""
+
+    kind: str
+    record: Signed[Any] | CertifiedLink
+    blob: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBlob:
+    """Keep these bytes (peers fetch them by hash)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRecord:
+    """Keep a signed record peers may ask for by id (pruned by window)."""
+
+    signed: Signed[Any]
+    kind: str
+    window: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreVote:
+    """Persist the one head this validator attests at ``height`` (before it says so)."""
+
+    height: int
+    head_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlobFetch:
+    """An update's blob, from the peers named ``first`` (then anyone holding it)."""
+
+    update: Signed[Update]
+    first: tuple[str, ...]
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecordFetch:
+    """The signed update ``update_id`` a proposal named, from its proposer first."""
+
+    update_id: str
+    proposer: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StateFetch:
+    """The weights (and optimizer state) of a certified head we did not compute."""
+
+    head: Head
+    head_id: str
+    first: tuple[str, ...]
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChainFetch:
+    """The certified heads above ``after_height`` and the last one's state (catch-up)."""
+
+    peer: str | None
+    after_height: int
+
+
+Request = BlobFetch | RecordFetch | StateFetch | ChainFetch
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Try ``request`` once, after ``delay_s`` seconds."""
+
+    request: Request
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TrainLater:
+    """Training ``train`` failed: offer it again after ``delay_s`` (:meth:`train_due`)."""
+
+    train: Train
+    delay_s: float
+
+
+Effect = (
+    Publish | StoreBlob | StoreRecord | StoreVote | Fetch | TrainLater | Train | Reported | Adopted
+)

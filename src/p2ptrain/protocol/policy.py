@@ -1,0 +1,356 @@
+"""The effect policy: how a node acts on what its role machines decide, sans IO.
+
+The window state machines (:mod:`.follower`, :mod:`.trainer`, :mod:`.participant`) say
+*what* the protocol needs -- an update to send, a head's weights to fetch -- as actions
+(:mod:`.actions`). The policy decides *how*, the same way in a node and in the simulator,
+and answers with effects (:mod:`.effects`) for a transport to carry out:
+
+* **what is kept before what is sent** -- an update's blob before the update, a
+  validator's vote before its attestation, the blobs of a head it computed before it
+  proposes or attests that head; a record a peer may ask for is kept once the window took
+  it, never on arrival;
+* **early records** -- updates and proposals for the window after the open one wait in an
+  :class:`~.intake.EarlyBuffer` (bounded per signer and in total) and are replayed when it
+  opens; anything further ahead never reaches the policy (:mod:`.intake`);
+* **whom to ask** -- an update's blob from its trainer first, a proposal's updates from the
+  proposer, a head's weights from the peer that sent its certificate, then anyone;
+* **retry and back-off** -- a fetch that failed in transit is tried again after 0.5, 1, 2,
+  ... s (at most 5 s) while what it is for is still needed, a bounded number of times; one
+  answered with bytes proven wrong is not (the fetcher already blamed the provider);
+* **catch-up** -- a certificate more than one height ahead fetches the chain from its sender.
+
+Inputs carry ``now``; each returns the effects to carry out, in order. One policy wraps one
+role machine; a node of several roles runs one per machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.effects import (
+    BlobFetch,
+    ChainFetch,
+    Effect,
+    Fetch,
+    Publish,
+    RecordFetch,
+    Request,
+    StateFetch,
+    StoreBlob,
+    StoreRecord,
+    StoreVote,
+    TrainLater,
+)
+from p2ptrain.protocol.intake import EarlyBuffer, window_of
+from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.role import RoleMachine
+from p2ptrain.protocol.trainer import TrainerMachine
+
+__all__ = [
+    "EARLY_PER_SIGNER_BYTES",
+    "EARLY_TOTAL_BYTES",
+    "FETCH_ATTEMPTS",
+    "ParticipantPolicy",
+    "RolePolicy",
+    "TrainerPolicy",
+    "backoff",
+    "policy_for",
+]
+
+#: Tries of an update's blob or record before it is given up (the window goes on).
+FETCH_ATTEMPTS = 6
+#: Tries of a certified head's weights (then the node's periodic sync catches up).
+STATE_ATTEMPTS = 12
+#: After this many tries a fetch asks anyone, not the peers named first.
+_NAMED_ATTEMPTS = 2
+#: Bytes of early updates and proposals kept per signer and in all.
+EARLY_PER_SIGNER_BYTES = 1 << 20
+EARLY_TOTAL_BYTES = 16 << 20
+#: The longest wait before training a window that failed again.
+TRAIN_RETRY_MAX_S = 30.0
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before try ``attempt + 1`` of a fetch that failed in transit."""
+    return min(5.0, 0.5 * 2.0**attempt)
+
+
+class RolePolicy:
+    """The policy of a role machine that follows the chain (seeds, viewers; the base of the
+    trainer's and participant's)."""
+
+    def __init__(self, machine: RoleMachine) -> None:
+        self.machine = machine
+        self._fetching_states: set[str] = set()
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """The node is up and its stored chain restored."""
+        return []
+
+    def tick(self, now: float) -> list[Effect]:
+        return self.carry(now, self.machine.tick(now))
+
+    def certificate(
+        self, now: float, head: Head, certificate: QuorumCertificate, sender: bytes
+    ) -> list[Effect]:
+        return self.carry(now, self.machine.receive_certificate(now, head, certificate, sender))
+
+    def record(self, now: float, signed: Signed[Any], size: int) -> list[Effect]:
+        """An update, proposal or attestation that passed intake (``size``: its bytes)."""
+        return []
+
+    def chain(
+        self,
+        now: float,
+        links: Sequence[tuple[Head, QuorumCertificate]],
+        weights: bytes,
+        optimizer: bytes | None,
+        sender: bytes,
+    ) -> list[Effect]:
+        """A catch-up answer (its blobs verified by hash): adopt what lies above us."""
+        height = self.machine.chain.height
+        above = [(h, c) for h, c in links if h.height > height]
+        if not above:
+            return []
+        return self.carry(now, self.machine.receive_chain(now, above, weights, optimizer, sender))
+
+    def fetched(self, now: float, request: Request, answer: Any) -> list[Effect]:
+        """A fetch succeeded: ``answer`` is the blob, the signed record, the
+        ``(weights, optimizer)`` pair or the ``(links, weights, optimizer, sender)`` tuple."""
+        if isinstance(request, StateFetch):
+            self._fetching_states.discard(request.head_id)
+            weights, optimizer = answer
+            return self.carry(
+                now, self.machine.receive_state(now, request.head_id, weights, optimizer)
+            )
+        if isinstance(request, ChainFetch):
+            return self.chain(now, *answer)
+        return []
+
+    def fetch_failed(self, now: float, request: Request, *, proven_bad: bool) -> list[Effect]:
+        """A fetch failed: in transit (``proven_bad`` False: try again later) or because
+        every answer was proven wrong (the providers were blamed; not tried again)."""
+        if isinstance(request, StateFetch):
+            machine = self.machine
+            needed = (
+                machine.chain.tip.head_id == request.head_id
+                and machine.base.head_id != request.head_id
+            )
+            if needed and request.attempt + 1 < STATE_ATTEMPTS:
+                return [self._again(request)]
+            self._fetching_states.discard(request.head_id)
+        return []
+
+    # -- actions into effects ---------------------------------------------------------
+
+    def carry(self, now: float, actions: Sequence[act.Action]) -> list[Effect]:
+        effects: list[Effect] = []
+        for action in actions:
+            effects += self.effects_of(now, action)
+        return effects
+
+    def effects_of(self, now: float, action: act.Action) -> list[Effect]:
+        if isinstance(action, act.SendCertificate):
+            link = CertifiedLink(head=action.head, certificate=action.certificate)
+            return [Publish("certificate", link)]
+        if isinstance(action, act.FetchState):
+            if action.head_id in self._fetching_states:
+                return []
+            self._fetching_states.add(action.head_id)
+            first = () if action.peer is None else (peer_id_of(action.peer),)
+            return [Fetch(StateFetch(action.head, action.head_id, first))]
+        if isinstance(action, act.FetchChain):
+            return [Fetch(ChainFetch(peer_id_of(action.peer), action.after_height))]
+        if isinstance(action, act.Adopted):
+            return [action, *self.adopted(now, action)]
+        if isinstance(action, act.Reported | act.Train):
+            return [action]
+        raise TypeError(f"{type(self.machine).__name__} has no use for {type(action).__name__}")
+
+    def adopted(self, now: float, action: act.Adopted) -> list[Effect]:
+        """The machine moved to a new canonical head (after the transport learnt of it)."""
+        return []
+
+    @staticmethod
+    def _again(request: BlobFetch | RecordFetch | StateFetch) -> Fetch:
+        attempt = request.attempt + 1
+        if isinstance(request, BlobFetch | StateFetch) and attempt >= _NAMED_ATTEMPTS:
+            request = replace(request, first=())
+        return Fetch(replace(request, attempt=attempt), backoff(request.attempt))
+
+
+class TrainerPolicy(RolePolicy):
+    machine: TrainerMachine
+
+    def __init__(self, machine: TrainerMachine) -> None:
+        super().__init__(machine)
+
+    def start(self, now: float) -> list[Effect]:
+        if self.machine.chain.height == 0:
+            return self.carry(now, self.machine.start(now))
+        return []  # a restored chain adopted its tip, which asked to train its window
+
+    def trained(
+        self, now: float, train: act.Train, blob: bytes, loss_before: float, loss_after: float
+    ) -> list[Effect]:
+        """The transport trained ``train`` and encoded ``blob``."""
+        return self.carry(
+            now, self.machine.finish(train.window, train.base_head, blob, loss_before, loss_after)
+        )
+
+    def train_failed(self, now: float, train: act.Train, failures_in_a_row: int) -> list[Effect]:
+        """Training raised: offer the same window again after a back-off (2, 4, ... s)."""
+        return [TrainLater(train, min(TRAIN_RETRY_MAX_S, 2.0**failures_in_a_row))]
+
+    def train_due(self, now: float, train: act.Train) -> list[Effect]:
+        """The back-off passed: train again unless a newer head came first."""
+        return [train] if train.base_head == self.machine.base.head_id else []
+
+    def effects_of(self, now: float, action: act.Action) -> list[Effect]:
+        if isinstance(action, act.SendUpdate):
+            # the blob is kept first: peers fetch it as soon as they see the update
+            return [StoreBlob(action.blob), Publish("update", action.update, action.blob)]
+        return super().effects_of(now, action)
+
+
+class ParticipantPolicy(RolePolicy):
+    """A reducer's or validator's policy (see the module docstring)."""
+
+    machine: Participant
+
+    def __init__(self, machine: Participant) -> None:
+        super().__init__(machine)
+        self.early: EarlyBuffer[Signed[Any]] = EarlyBuffer(
+            EARLY_PER_SIGNER_BYTES, EARLY_TOTAL_BYTES
+        )
+        self._fetching_updates: set[str] = set()
+        self._fetching_window = machine.window
+
+    def record(self, now: float, signed: Signed[Any], size: int) -> list[Effect]:
+        record = signed.record
+        window = window_of(record)
+        if isinstance(record, Update | Proposal) and window and window > self.machine.window:
+            self.early.add(
+                signed.record_id, window, peer_id_of(signed.envelope.signer), size, signed
+            )
+            return []  # refused when full: a proposal names it, and it is fetched then
+        if isinstance(record, Update):
+            return self._update(signed)
+        if isinstance(record, Proposal):
+            return self._proposal(now, signed)
+        if isinstance(record, Attestation):
+            return self.carry(now, self.machine.receive_attestation(now, signed))
+        return []
+
+    def _update(self, signed: Signed[Update]) -> list[Effect]:
+        machine, update = self.machine, signed.record
+        if update.window != machine.window or update.base_head != machine.base.head_id:
+            return []
+        if self._fetching_window != machine.window:
+            self._fetching_updates.clear()
+            self._fetching_window = machine.window
+        if signed.record_id in self._fetching_updates or machine.holds_update(signed.record_id):
+            return []
+        self._fetching_updates.add(signed.record_id)
+        return [Fetch(BlobFetch(signed, (update.trainer_id,)))]
+
+    def _proposal(self, now: float, signed: Signed[Proposal]) -> list[Effect]:
+        actions = self.machine.receive_proposal(now, signed)
+        kept: list[Effect] = []
+        if self.machine.holds_proposal(signed):
+            kept.append(StoreRecord(signed, "proposal", signed.record.window))
+        return kept + self.carry(now, actions)
+
+    def fetched(self, now: float, request: Request, answer: Any) -> list[Effect]:
+        if isinstance(request, BlobFetch):
+            signed = request.update
+            self._fetching_updates.discard(signed.record_id)
+            if signed.record.window != self.machine.window:
+                return []
+            actions = self.machine.receive_update(now, signed, answer)
+            kept: list[Effect] = []
+            if self.machine.holds_update(signed.record_id):
+                kept.append(StoreRecord(signed, "update", signed.record.window))
+            return kept + self.carry(now, actions)
+        if isinstance(request, RecordFetch):
+            signed = answer
+            assert isinstance(signed, Signed) and isinstance(signed.record, Update)
+            if signed.record.window != self.machine.window:
+                return []
+            first = (request.proposer, signed.record.trainer_id)
+            return [Fetch(BlobFetch(signed, first))]
+        return super().fetched(now, request, answer)
+
+    def fetch_failed(self, now: float, request: Request, *, proven_bad: bool) -> list[Effect]:
+        if isinstance(request, BlobFetch | RecordFetch):
+            window = (
+                request.update.record.window
+                if isinstance(request, BlobFetch)
+                else self.machine.window
+            )
+            still = window == self.machine.window
+            if still and not proven_bad and request.attempt + 1 < FETCH_ATTEMPTS:
+                return [self._again(request)]
+            if isinstance(request, BlobFetch):
+                self._fetching_updates.discard(request.update.record_id)
+            return []
+        return super().fetch_failed(now, request, proven_bad=proven_bad)
+
+    def effects_of(self, now: float, action: act.Action) -> list[Effect]:
+        if isinstance(action, act.SendProposal):
+            proposal = action.proposal
+            return [
+                *self._keep_reduction(proposal.record.head.id),
+                StoreRecord(proposal, "proposal", proposal.record.window),
+                Publish("proposal", proposal),
+            ]
+        if isinstance(action, act.SendAttestation):
+            attestation = action.attestation.record
+            if attestation.validator != self.machine.key:
+                return [Publish("attestation", action.attestation)]
+            # the vote is persisted before anyone hears of it: never two heads at a height
+            return [
+                StoreVote(attestation.height, attestation.head_id),
+                *self._keep_reduction(attestation.head_id),
+                Publish("attestation", action.attestation),
+            ]
+        if isinstance(action, act.FetchUpdates):
+            proposer = peer_id_of(action.peer)
+            return [Fetch(RecordFetch(i, proposer)) for i in action.update_ids]
+        if isinstance(action, act.Adopted):
+            # the head's blobs are kept before the transport stores the head
+            return [*self._keep_reduction(action.head_id), *super().effects_of(now, action)]
+        return super().effects_of(now, action)
+
+    def _keep_reduction(self, head_id: str) -> list[Effect]:
+        """The blobs of a head we computed: peers fetch them once it is certified."""
+        reduction = self.machine.reduction_of(head_id)
+        if reduction is None:
+            return []
+        blobs = (reduction.weights_blob, reduction.optimizer_blob)
+        return [StoreBlob(blob) for blob in blobs if blob is not None]
+
+    def adopted(self, now: float, action: act.Adopted) -> list[Effect]:
+        """A new window opened: replay what arrived early for it."""
+        effects: list[Effect] = []
+        for signed in self.early.take(self.machine.window):
+            effects += self.record(now, signed, 0)
+        return effects
+
+
+def policy_for(machine: RoleMachine) -> RolePolicy:
+    """The policy of ``machine``'s role."""
+    if isinstance(machine, Participant):
+        return ParticipantPolicy(machine)
+    if isinstance(machine, TrainerMachine):
+        return TrainerPolicy(machine)
+    return RolePolicy(machine)
