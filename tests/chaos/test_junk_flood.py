@@ -125,8 +125,7 @@ class Outsider:
                     await self._send(node, topic, "proposal", self._junk_proposal(index))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(30):
-                        while not connection.closed:
-                            await asyncio.sleep(0.05)
+                        await connection.wait_closed()
                 self.closed_because.append(connection.close_reason)
 
     async def _subscribed_connection(self, node: NetNode, topic: str) -> PeerConnection:

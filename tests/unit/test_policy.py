@@ -216,6 +216,15 @@ def test_a_proposal_names_missing_updates_fetched_from_its_proposer() -> None:
     policy = _validator()
     effects = policy.effects_of(1.0, act.FetchUpdates(identity(3).public_key, (h("u1"), h("u2"))))
     assert [e.request for e in effects if isinstance(e, Fetch)] == [
-        RecordFetch(h("u1"), identity(3).peer_id),
-        RecordFetch(h("u2"), identity(3).peer_id),
+        RecordFetch(h("u1"), identity(3).peer_id, 1),
+        RecordFetch(h("u2"), identity(3).peer_id, 1),
     ]
+
+
+def test_a_proposal_update_fetch_stops_once_its_window_is_over() -> None:
+    policy = _validator()
+    current = RecordFetch(h("u1"), identity(3).peer_id, 1)
+    (again,) = policy.fetch_failed(1.0, current, proven_bad=False)
+    assert isinstance(again, Fetch) and again.delay_s == backoff(0)
+    over = RecordFetch(h("u1"), identity(3).peer_id, 0)
+    assert policy.fetch_failed(1.0, over, proven_bad=False) == []

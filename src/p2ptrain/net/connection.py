@@ -72,6 +72,10 @@ class PeerConnection:
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    async def wait_closed(self) -> None:
+        """Return once the connection is closed (by either side)."""
+        await self._closed.wait()
+
     def send(self, frame: bytes) -> None:
         """Queue a frame; raise SlowPeer when the peer's queue is full."""
         if self.closed:

@@ -82,6 +82,7 @@ class RecordFetch:
 
     update_id: str
     proposer: str
+    window: int
     attempt: int = 0
 
 

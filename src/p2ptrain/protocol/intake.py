@@ -19,7 +19,6 @@ bounded in bytes per signer and in total, until the window opens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -89,12 +88,9 @@ class IntakeRules:
     def judge(self, signed: Signed[Any], open_window: int) -> Admission:
         """The verdict on ``signed`` for a node whose open window is ``open_window``."""
         record = signed.record
-        signer = peer_id_of(signed.envelope.signer)
-        if getattr(record, "experiment_id", None) != self.experiment_id:
-            return Admission(False, "record for another experiment", signer)
         reason = self._entitlement(record)
-        if reason is not None:
-            return Admission(False, reason, signer)
+        if reason is not None:  # the signer is named only when blamed (not on the hot path)
+            return Admission(False, reason, peer_id_of(signed.envelope.signer))
         window = window_of(record)
         if window is not None and window > open_window + self.ahead_windows:
             return Admission(False, f"window {window} is far ahead of ours ({open_window})")
@@ -102,6 +98,8 @@ class IntakeRules:
 
     def _entitlement(self, record: Any) -> str | None:
         """Why the record's author may not send it, or None."""
+        if getattr(record, "experiment_id", None) != self.experiment_id:
+            return "record for another experiment"
         if isinstance(record, Update):
             if record.codec != self.manifest.codec.name:
                 return f"update in codec {record.codec!r}, not the experiment's"
@@ -182,6 +180,3 @@ class EarlyBuffer(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._held)
-
-    def signers(self) -> Iterable[str]:
-        return self._by_signer.keys()

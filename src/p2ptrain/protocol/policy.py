@@ -293,9 +293,7 @@ class ParticipantPolicy(RolePolicy):
     def fetch_failed(self, now: float, request: Request, *, proven_bad: bool) -> list[Effect]:
         if isinstance(request, BlobFetch | RecordFetch):
             window = (
-                request.update.record.window
-                if isinstance(request, BlobFetch)
-                else self.machine.window
+                request.update.record.window if isinstance(request, BlobFetch) else request.window
             )
             still = window == self.machine.window
             if still and not proven_bad and request.attempt + 1 < FETCH_ATTEMPTS:
@@ -325,7 +323,8 @@ class ParticipantPolicy(RolePolicy):
             ]
         if isinstance(action, act.FetchUpdates):
             proposer = peer_id_of(action.peer)
-            return [Fetch(RecordFetch(i, proposer)) for i in action.update_ids]
+            window = self.machine.window
+            return [Fetch(RecordFetch(i, proposer, window)) for i in action.update_ids]
         if isinstance(action, act.Adopted):
             # the head's blobs are kept before the transport stores the head
             return [*self._keep_reduction(action.head_id), *super().effects_of(now, action)]
