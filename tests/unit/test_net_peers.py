@@ -235,3 +235,27 @@ def test_statistics_are_a_frozen_snapshot() -> None:
     assert peers_.statistics().peers == 1
     with pytest.raises(AttributeError):
         snapshot.peers = 5  # type: ignore[misc]
+
+
+def test_strikes_lapse_after_the_decay_time() -> None:
+    peers_ = PeerBook(
+        NETWORK_ID, self_id=ME.peer_id, strikes_to_ban=3, ban_s=300.0, strike_decay_s=100.0
+    )
+    who = ALICE.peer_id
+    assert peers_.strike(who, "bad frame", now=0.0) is False
+    assert peers_.strike(who, "bad frame", now=50.0) is False
+    assert peers_.strikes(who, 99.0) == 2
+    assert peers_.strikes(who, 100.0) == 1  # the first lapsed
+    assert peers_.strike(who, "bad frame", now=120.0) is False  # 2 live, not 3
+    assert peers_.strikes(who, 149.0) == 2
+    assert peers_.strike(who, "bad frame", now=149.0) is True  # 50, 120 and 149
+    assert peers_.banned(who, 149.0)
+
+
+def test_a_lifetime_of_rare_strikes_never_bans() -> None:
+    peers_ = PeerBook(
+        NETWORK_ID, self_id=ME.peer_id, strikes_to_ban=3, ban_s=300.0, strike_decay_s=600.0
+    )
+    for hour in range(1000):
+        assert peers_.strike(ALICE.peer_id, "a rare mistake", now=hour * 3600.0) is False
+    assert not peers_.banned(ALICE.peer_id, 1000 * 3600.0)

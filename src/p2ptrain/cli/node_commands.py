@@ -45,6 +45,7 @@ _NODE_COMMANDS = {
 _SERVING_ROLES = ("seed", "validator", "reducer")
 _CONFIG_KEYS = {
     "role",
+    "heartbeat_s",
     "max_role_failures",
     "archive",
     "dir",
@@ -149,6 +150,12 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         help="keep every accepted update and proposal for good (who trained and proposed "
         "what); by default a node keeps only what its roles used, for the last window",
     )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        help="close a gossip socket whose peer has not answered a ping for this long "
+        "(default 20; a transport fault, never held against the peer)",
+    )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
     parser.set_defaults(data_dir_default=data_dir)
 
@@ -244,6 +251,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         mdns=bool(pick("mdns", False)),
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
         archive=bool(pick("archive", False)),
+        heartbeat_s=float(pick("heartbeat_s", 20.0)),
     )
 
 

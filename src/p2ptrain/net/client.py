@@ -244,28 +244,35 @@ class PeerClient:
         return True
 
     async def open_socket(
-        self, address: str, *, max_frame_bytes: int, timeout_s: float
+        self, address: str, *, max_frame_bytes: int, timeout_s: float, heartbeat_s: float = 20.0
     ) -> tuple[aiohttp.ClientWebSocketResponse, str]:
-        """Open the gossip WebSocket to ``address``; return it and the server's proven peer id."""
-        await self.ensure_nonce(address)
-        auth, cnonce = self.authorization(address, "GET", "/ws")
+        """Open the gossip WebSocket to ``address``; return it and the server's proven peer id.
+        A 401 on the upgrade (the server restarted and forgot our nonce) teaches the new
+        nonce, and the upgrade is asked for once more."""
         url = origin_of(address).replace("http", "ws", 1) + "/ws"
-        try:
-            ws = await asyncio.wait_for(
-                self.session.ws_connect(
-                    url,
-                    headers=auth,
-                    max_msg_size=max_frame_bytes,
-                    heartbeat=20.0,
-                    autoping=True,
-                    ssl=pinned_ssl(address),
-                ),
-                timeout_s,
-            )
-        except aiohttp.WSServerHandshakeError as exc:
-            raise Refused(address, exc.status, exc.message) from exc
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise TransportError(f"cannot open a socket to {address}: {exc!r}") from exc
+        for attempt in range(2):
+            await self.ensure_nonce(address)
+            auth, cnonce = self.authorization(address, "GET", "/ws")
+            try:
+                ws = await asyncio.wait_for(
+                    self.session.ws_connect(
+                        url,
+                        headers=auth,
+                        max_msg_size=max_frame_bytes,
+                        heartbeat=heartbeat_s,
+                        autoping=True,
+                        ssl=pinned_ssl(address),
+                    ),
+                    timeout_s,
+                )
+            except aiohttp.WSServerHandshakeError as exc:
+                challenge = None if exc.headers is None else exc.headers.get("WWW-Authenticate")
+                if exc.status == 401 and attempt == 0 and self.learn_nonce(address, challenge):
+                    continue
+                raise Refused(address, exc.status, exc.message) from exc
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                raise TransportError(f"cannot open a socket to {address}: {exc!r}") from exc
+            break
         try:
             peer_id = self.credentials.check_server(ws._response.headers.get(SERVER_HEADER), cnonce)
         except ProtocolViolation:

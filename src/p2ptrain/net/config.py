@@ -50,14 +50,23 @@ class NetConfig:
     #: Seen-set for gossip dedup: entries kept and their age limit.
     seen_entries: int = 1_000_000
     seen_ttl_s: float = 600.0
-    #: Strikes against a peer before it is banned, and for how long.
+    #: Strikes against a peer before it is banned, and for how long. Strikes count only
+    #: proven misbehaviour (never a transport fault) and decay: one is forgiven every
+    #: ``strike_decay_s`` seconds.
     strikes_to_ban: int = 3
     ban_s: float = 300.0
+    strike_decay_s: float = 600.0
     #: Timeouts: connecting, one HTTP request, the WebSocket handshake.
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
     handshake_timeout_s: float = 1.0
-    #: How often discovery looks for more peers to dial.
+    #: A gossip socket with no PONG for this long is closed (a transport fault, no strike).
+    heartbeat_s: float = 20.0
+    #: How long a provider may take to say whether it holds a blob (HEAD), and the slowest
+    #: rate (bytes/s) a blob provider may keep up: one below it is dropped from the fetch
+    #: (the default passes a 1 Mbit/s home link with room to spare).
+    probe_timeout_s: float = 3.0
+    min_fetch_rate: float = 32_768.0  #: How often discovery looks for more peers to dial.
     discovery_interval_s: float = 2.0
     #: Advertise and browse on the LAN with mDNS (zeroconf).
     mdns: bool = False
@@ -87,6 +96,10 @@ class NetConfig:
         _check("connect_timeout_s", self.connect_timeout_s, 0.01, 600)
         _check("request_timeout_s", self.request_timeout_s, 0.01, 3600)
         _check("handshake_timeout_s", self.handshake_timeout_s, 0.01, 60)
+        _check("heartbeat_s", self.heartbeat_s, 0.1, 3600)
+        _check("strike_decay_s", self.strike_decay_s, 0.01, 86_400 * 365)
+        _check("probe_timeout_s", self.probe_timeout_s, 0.01, 600)
+        _check("min_fetch_rate", self.min_fetch_rate, 0, 1e12)
         _check("discovery_interval_s", self.discovery_interval_s, 0.01, 3600)
         if self.host is None and self.tls:
             raise LocalError("a node with no server (host=None) cannot serve TLS; drop tls")

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from p2ptrain.errors import ProtocolViolation
+from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.limits import TokenBucket
 from p2ptrain.net.wire import Bye, encode_frame
 
-__all__ = ["ConnectionStatistics", "PeerConnection", "SlowPeer"]
+__all__ = ["ConnectionStatistics", "PeerConnection", "SlowPeer", "SocketFailed"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,11 @@ _SEND_FAILURES = (ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutErr
 
 class SlowPeer(Exception):
     """The peer reads too slowly: its send queue is full."""
+
+
+class SocketFailed(TransportError):
+    """The socket broke (no PONG within the heartbeat, a reset): a transport fault, not
+    misbehaviour -- the peer may be paused, overloaded or behind a bad link."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +122,13 @@ class PeerConnection:
 
     async def frames(self) -> AsyncIterator[bytes]:
         """Incoming binary frames. Raises ProtocolViolation for a text frame, an oversized
-        frame, or a peer that floods (see the class docstring)."""
+        frame, or a peer that floods (see the class docstring); SocketFailed when the socket
+        broke (a heartbeat timeout, a reset)."""
         async for message in self.ws:
             if message.type == aiohttp.WSMsgType.BINARY:
                 data: bytes = message.data
             elif message.type == aiohttp.WSMsgType.ERROR:
-                raise ProtocolViolation(f"socket error: {self.ws.exception()!r:.120}")
+                raise SocketFailed(f"socket failed: {self.ws.exception()!r:.120}")
             elif message.type == aiohttp.WSMsgType.TEXT:
                 raise ProtocolViolation("text frames are not part of the protocol")
             else:
@@ -149,11 +155,14 @@ class PeerConnection:
         self._closed.set()
         self._ready.set()
         self._room.set()
-        if not self.ws.closed:
+        if not self.ws.closed and code == aiohttp.WSCloseCode.OK:
+            # a Bye says why first; a peer closed for misbehaving (1008) gets the close frame
+            # at once, or its own close (1000, on reading the Bye) would answer first
             with contextlib.suppress(
                 ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
             ):
                 await asyncio.wait_for(self.ws.send_bytes(encode_frame(Bye(reason[:500]))), 1.0)
+        if not self.ws.closed:
             with contextlib.suppress(
                 ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
             ):

@@ -117,6 +117,7 @@ class NetNode:
             self_id=self.peer_id,
             strikes_to_ban=self.config.strikes_to_ban,
             ban_s=self.config.ban_s,
+            strike_decay_s=self.config.strike_decay_s,
         )
         self.gossip = GossipRouter(self.config, strike=self.strike, drop=self._drop_slow)
         self.relay = RelayHub(self.config.request_timeout_s)
@@ -305,12 +306,17 @@ class NetNode:
         if address in self._dialing:
             raise TransportError(f"already dialing {address}")
         self._dialing.add(address)
+        limit_s = 2 * self.config.connect_timeout_s  # the nonce, then the upgrade
         try:
-            ws, peer_id = await self.client.open_socket(
-                address,
-                max_frame_bytes=self.config.max_frame_bytes,
-                timeout_s=self.config.connect_timeout_s,
-            )
+            async with asyncio.timeout(limit_s):
+                ws, peer_id = await self.client.open_socket(
+                    address,
+                    max_frame_bytes=self.config.max_frame_bytes,
+                    timeout_s=self.config.connect_timeout_s,
+                    heartbeat_s=self.config.heartbeat_s,
+                )
+        except TimeoutError:
+            raise TransportError(f"{address} did not open a socket within {limit_s:g}s") from None
         finally:
             self._dialing.discard(address)
         self._peer_at[address] = peer_id
@@ -362,8 +368,9 @@ class NetNode:
                 except ProtocolViolation as exc:
                     self.strike(connection.peer_id, str(exc))
                     await connection.close(str(exc), code=aiohttp.WSCloseCode.POLICY_VIOLATION)
-                except (ConnectionError, aiohttp.ClientError, TimeoutError) as exc:
-                    logger.info("connection to %s lost: %r", connection.peer_id[:16], exc)
+                except (ConnectionError, aiohttp.ClientError, TimeoutError, TransportError) as exc:
+                    # a transport fault: no strike (the peer may be paused or far away)
+                    logger.info("connection to %s lost: %s", connection.peer_id[:16], exc)
                 finally:
                     await connection.close(connection.close_reason or "done")
                     writer.cancel()

@@ -27,16 +27,28 @@ class PeerBookStatistics:
 
 
 class PeerBook:
-    """Signed peer records by peer id (a higher ``seq`` replaces) and a strike count per
-    peer id or remote address; ``strikes_to_ban`` strikes ban it for ``ban_s`` seconds."""
+    """Signed peer records by peer id (a higher ``seq`` replaces) and a strike score per
+    peer id or remote address; ``strikes_to_ban`` strikes ban it for ``ban_s`` seconds.
+    Strikes decay: each lapses ``strike_decay_s`` seconds after it was counted, so an honest
+    peer's rare mistakes (or our own bugs) never add up to a ban over a long life."""
 
-    def __init__(self, network_id: str, *, self_id: str, strikes_to_ban: int, ban_s: float) -> None:
+    def __init__(
+        self,
+        network_id: str,
+        *,
+        self_id: str,
+        strikes_to_ban: int,
+        ban_s: float,
+        strike_decay_s: float = 600.0,
+    ) -> None:
         self.network_id = network_id
         self.self_id = self_id
         self.strikes_to_ban = strikes_to_ban
         self.ban_s = ban_s
+        self.strike_decay_s = strike_decay_s
         self._records: dict[str, Signed[PeerRecord]] = {}
-        self._strikes: dict[str, int] = {}
+        #: who -> when each of its strikes that has not lapsed was counted
+        self._strikes: dict[str, tuple[float, ...]] = {}
         self._banned_until: dict[str, float] = {}
         self._total_strikes = 0
         self._rejected = 0
@@ -71,8 +83,10 @@ class PeerBook:
         """Count one offence against ``who``; return True when this strike bans it."""
         self._prune(now)
         self._total_strikes += 1
-        count = self._strikes.get(who, 0) + 1
-        self._strikes[who] = count
+        times = (*self._live_strikes(who, now), now)[-self.strikes_to_ban :]
+        count = len(times)
+        self._strikes.pop(who, None)  # re-inserted last: the oldest go first when pruning
+        self._strikes[who] = times
         logger.warning(
             "peer %s: %s (strike %d of %d)", who[:16], reason, count, self.strikes_to_ban
         )
@@ -82,6 +96,13 @@ class PeerBook:
             logger.warning("peer %s banned for %.0f s", who[:16], self.ban_s)
             return True
         return False
+
+    def strikes(self, who: str, now: float) -> int:
+        """The strikes against ``who`` that have not lapsed by ``now``."""
+        return len(self._live_strikes(who, now))
+
+    def _live_strikes(self, who: str, now: float) -> tuple[float, ...]:
+        return tuple(t for t in self._strikes.get(who, ()) if now - t < self.strike_decay_s)
 
     def ban(self, who: str, reason: str, now: float) -> None:
         self._prune(now)

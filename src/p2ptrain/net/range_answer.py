@@ -23,6 +23,7 @@ __all__ = [
     "MissingBlob",
     "RangeRequest",
     "ResponseHead",
+    "TooSlow",
     "UnsupportedAnswer",
     "body_length",
     "fits_a_request_line",
@@ -40,6 +41,10 @@ _TARGET = re.compile(r"[!-~]+")  # printable ASCII, no space: safe in a request 
 
 class MissingBlob(TransportError):
     """A provider answered 404: it does not hold the blob."""
+
+
+class TooSlow(TransportError):
+    """A provider delivers far too slowly: it is dropped from the fetch (no strike)."""
 
 
 class BadAnswer(TransportError):

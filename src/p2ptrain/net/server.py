@@ -27,7 +27,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
@@ -51,6 +53,31 @@ _REFUSAL_BURST = 100
 #: Answered without credentials: metrics (loopback only, see its handler) and the signed
 #: network manifest, which a newcomer needs before it can sign a request.
 _PUBLIC_PATHS = frozenset({"/metrics", NETWORK_PATH})
+
+
+class _QuietPeerFaults(logging.Filter):
+    """aiohttp logs a request it could not parse (a request line over its 8190 bytes, a
+    malformed header) or that broke off mid-way with a traceback at ERROR. Those are a
+    peer's fault, not ours: one WARNING line naming the peer, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError | ConnectionError | aiohttp.ClientError):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args, record.exc_info = (
+                "bad request from %s: %s",
+                (
+                    remote,
+                    str(error).strip() or type(error).__name__,
+                ),
+                None,
+            )
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_QUIET = _QuietPeerFaults()
+logging.getLogger("aiohttp.server").addFilter(_QUIET)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +255,20 @@ class NodeServer:
             await asyncio.to_thread(
                 self.content.blobs.put_stream, chunks(), expected_id=blob_id, max_bytes=size
             )
+        except (HttpProcessingError, ConnectionError, aiohttp.ClientError) as exc:
+            # the uploader went away mid-way: a transport fault, nothing kept
+            logger.warning(
+                "upload of blob %s from %s broke off: %s",
+                blob_id[:16],
+                admitted.peer_id[:16],
+                str(exc).strip() or type(exc).__name__,
+            )
+            return _reply(400, "the upload broke off")
+        except OSError as exc:
+            logger.warning(
+                "cannot store blob %s pushed by %s: %s", blob_id[:16], admitted.peer_id[:16], exc
+            )
+            return _reply(507, f"this node cannot store the blob now: {exc.strerror or exc}")
         except ProtocolViolation as exc:
             self._bad += 1
             self.peers.strike(admitted.peer_id, f"pushed a bad blob: {exc}", time.monotonic())
@@ -241,7 +282,10 @@ class NodeServer:
         if self._inbound_full():
             return _reply(503, "this node has all the inbound connections it takes")
         ws = web.WebSocketResponse(
-            max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, timeout=2.0, compress=False
+            max_msg_size=self.config.max_frame_bytes,
+            heartbeat=self.config.heartbeat_s,
+            timeout=2.0,
+            compress=False,
         )
         ws.headers[SERVER_HEADER] = self.gatekeeper.server_proof(admitted.cnonce)
         await ws.prepare(request)

@@ -65,7 +65,13 @@ from p2ptrain.net.partial_file import (
     range_digest,
     start_writeback,
 )
-from p2ptrain.net.range_answer import BadAnswer, MissingBlob, RangeRequest, UnsupportedAnswer
+from p2ptrain.net.range_answer import (
+    BadAnswer,
+    MissingBlob,
+    RangeRequest,
+    TooSlow,
+    UnsupportedAnswer,
+)
 from p2ptrain.net.range_reader import RangeReader
 from p2ptrain.store.blobs import BlobStore
 
@@ -80,6 +86,13 @@ _FLUSH_BYTES = 8 << 20
 #: Record the ranges on disk at most this often (and when the fetch ends, however it ends).
 _SAVE_INTERVAL_S = 1.0
 _PARTIAL_DIR = "partial"
+#: Once one provider told the size, how long the others may still answer (at least).
+_PROBE_GRACE_S = 0.25
+#: The rate watcher looks every this often, at the rate over at least this long.
+_RATE_CHECK_S = 1.0
+_RATE_WINDOW_S = 2.0
+#: A provider this many times slower than the fastest one is dropped from the fetch.
+_SLOWER_FACTOR = 16.0
 
 
 # -- records ------------------------------------------------------------------------------
@@ -108,6 +121,7 @@ class TransferStatistics:
     bad_providers: int  # providers proven to have served bad bytes
     failovers: int  # ranges that failed at one provider and went back to the queue
     resumes: int  # fetches that found bytes of an earlier attempt on disk
+    slow_providers: int  # providers dropped from a fetch for being too slow
 
 
 # -- the fetcher --------------------------------------------------------------------------
@@ -128,6 +142,17 @@ class _Changes:
 
 
 @dataclass(slots=True)
+class _Pace:
+    """How fast one provider's stream delivers: bytes from it at the start of the current
+    measuring interval, and the deadline the rate watcher moves to now to drop it."""
+
+    deadline: asyncio.Timeout
+    since: float
+    bytes_at: int
+    too_slow: str = ""
+
+
+@dataclass(slots=True)
 class _Job:
     """One fetch in progress."""
 
@@ -138,6 +163,8 @@ class _Job:
     received: Counter[str]  # bytes from each provider
     hasher: PrefixHasher
     changes: _Changes = field(default_factory=_Changes)
+    #: The range each provider's stream waits for now, watched by :meth:`_watch_rates`.
+    active: dict[str, _Pace] = field(default_factory=dict)
     flush_at: int = 0  # tell _flush_behind when the frontier passes this
     next_save: float = 0.0  # when to record progress next (time.monotonic())
 
@@ -154,8 +181,16 @@ class BlobFetcher:
     :class:`~p2ptrain.net.range_reader.RangeReader`). On one machine (loopback, 2 cores,
     256 MiB) 32 MiB and one stream measured fastest, from one provider and from three.
     ``timeout_s`` bounds each wait for bytes.
+
+    No fetch waits for the slowest provider: the size is asked of every provider at once
+    (``HEAD``, each bounded by ``probe_timeout_s``) and the download starts with those that
+    answered soon after the first; a provider whose stream keeps below ``min_rate``
+    bytes/s, or far below the fastest one's, is dropped from the fetch and its range goes
+    to the others (a trickling provider would otherwise never time out).
     ``on_bad_provider(address, reason)`` is called once for each provider proven to have
-    served bytes that differ from the verified blob (count it against the peer).
+    served bytes that differ from the verified blob (count it against the peer);
+    ``on_fault(address, reason)`` for a transport fault (no answer, too slow, a broken
+    connection): never misbehaviour, but the caller may ask that provider last next time.
     """
 
     def __init__(
@@ -167,8 +202,11 @@ class BlobFetcher:
         streams_per_provider: int = 1,
         timeout_s: float = 30.0,
         on_bad_provider: Callable[[str, str], None] | None = None,
+        on_fault: Callable[[str, str], None] | None = None,
         max_failures: int = 3,
         max_blob_bytes: int = 8 << 30,
+        probe_timeout_s: float = 3.0,
+        min_rate: float = 32_768.0,
     ) -> None:
         if chunk_bytes < 1 << 16:
             raise LocalError(f"chunk_bytes={chunk_bytes} is too small; use at least 65536")
@@ -178,16 +216,22 @@ class BlobFetcher:
             raise LocalError(f"timeout_s={timeout_s}; use a value in (0, 3600] seconds")
         if max_failures < 1 or max_blob_bytes < 0:
             raise LocalError("max_failures must be >= 1 and max_blob_bytes >= 0")
+        if not 0 < probe_timeout_s <= 600 or min_rate < 0:
+            raise LocalError("probe_timeout_s must be in (0, 600] s and min_rate >= 0")
         self._client = client
         self._blobs = blobs
         self._chunk_bytes = chunk_bytes
         self._streams = streams_per_provider
         self._timeout_s = timeout_s
         self._on_bad_provider = on_bad_provider
+        self._on_fault = on_fault
+        self._probe_timeout_s = probe_timeout_s
+        self._min_rate = min_rate
         self._max_failures = max_failures
         self._max_blob_bytes = max_blob_bytes
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._fetches = self._bytes = self._bad = self._failovers = self._resumes = 0
+        self._slow = 0
 
     def statistics(self) -> TransferStatistics:
         return TransferStatistics(
@@ -196,6 +240,7 @@ class BlobFetcher:
             bad_providers=self._bad,
             failovers=self._failovers,
             resumes=self._resumes,
+            slow_providers=self._slow,
         )
 
     async def fetch(
@@ -300,6 +345,7 @@ class BlobFetcher:
                     for provider in plan.live:
                         group.create_task(self._stream(job, provider))
                 group.create_task(self._flush_behind(job))
+                group.create_task(self._watch_rates(job))
         except BaseExceptionGroup as errors:
             raise _first_error(errors) from None
         finally:
@@ -332,6 +378,37 @@ class BlobFetcher:
                 await asyncio.to_thread(start_writeback, job.partial.fd, flushed, frontier)
                 flushed = frontier
 
+    async def _watch_rates(self, job: _Job) -> None:
+        """Every second, drop the streams that deliver below ``min_rate`` bytes/s, or below
+        1/``_SLOWER_FACTOR`` of the fastest, over the last ``_RATE_WINDOW_S``."""
+        plan, loop = job.plan, asyncio.get_running_loop()
+        check_at = loop.time() + _RATE_CHECK_S
+        while not (plan.complete or plan.stalled):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(check_at):
+                    await job.changes.wait()  # wakes to end with the plan
+            if loop.time() < check_at:
+                continue
+            check_at = loop.time() + _RATE_CHECK_S
+            now = time.monotonic()
+            rates: dict[str, float] = {}
+            for provider, pace in job.active.items():
+                elapsed = now - pace.since
+                if elapsed >= _RATE_WINDOW_S:
+                    rates[provider] = (job.received[provider] - pace.bytes_at) / elapsed
+            fastest = max(rates.values(), default=0.0)
+            for provider, rate in rates.items():
+                pace = job.active[provider]
+                if rate < self._min_rate:
+                    why = f"{rate:.0f} B/s, below the minimum of {self._min_rate:.0f} B/s"
+                elif len(plan.live) > 1 and rate * _SLOWER_FACTOR < fastest:
+                    why = f"{rate:.0f} B/s, far below the fastest provider's {fastest:.0f} B/s"
+                else:
+                    pace.since, pace.bytes_at = now, job.received[provider]
+                    continue
+                pace.too_slow = why
+                pace.deadline.reschedule(loop.time())
+
     async def _stream(self, job: _Job, provider: str) -> None:
         plan = job.plan
         ahead: list[Span] = []  # the next span, asked for while the current one arrives
@@ -352,10 +429,18 @@ class BlobFetcher:
                 landed = self._landing(job, span.chunk, provider)
                 request = RangeRequest(provider, job.blob_id, span.start, span.end, plan.size)
                 try:
-                    await self._receive(request, job.partial.fd, landed, reader, ask_ahead)
+                    await self._paced(
+                        job,
+                        provider,
+                        request=request,
+                        landed=landed,
+                        reader=reader,
+                        ask_ahead=ask_ahead,
+                    )
                 except TransportError as exc:
                     self._failovers += 1
-                    fatal = isinstance(exc, MissingBlob | BadAnswer)
+                    fatal = isinstance(exc, MissingBlob | BadAnswer | TooSlow)
+                    self._fault(provider, str(exc))
                     dropped = plan.failed(span.chunk, provider, str(exc), fatal=fatal)
                     logger.info(
                         "%s %s of blob %s: %s",
@@ -373,6 +458,36 @@ class BlobFetcher:
         for span in ahead:  # the provider was dropped before it was read: give it back
             plan.failed(span.chunk, provider, "dropped before this range was read")
             job.changes.notify()
+
+    async def _paced(
+        self,
+        job: _Job,
+        provider: str,
+        *,
+        request: RangeRequest,
+        landed: Callable[[int], None],
+        reader: RangeReader | None,
+        ask_ahead: Callable[[], RangeRequest | None],
+    ) -> None:
+        """:meth:`_receive` under the rate watcher's eye: raises :class:`TooSlow` when it
+        dropped the provider."""
+        async with asyncio.timeout(None) as deadline:
+            pace = _Pace(deadline, time.monotonic(), job.received[provider])
+            job.active[provider] = pace
+            try:
+                await self._receive(request, job.partial.fd, landed, reader, ask_ahead)
+            except TimeoutError:
+                if not pace.too_slow:
+                    raise
+            finally:
+                job.active.pop(provider, None)
+        if pace.too_slow:
+            self._slow += 1
+            raise TooSlow(f"{provider} is too slow: {pace.too_slow}")
+
+    def _fault(self, provider: str, reason: str) -> None:
+        if self._on_fault is not None:
+            self._on_fault(provider, reason)
 
     def _landing(self, job: _Job, chunk: int, provider: str) -> Callable[[int], None]:
         """What to do each time ``count`` bytes of ``chunk`` from ``provider`` are on disk."""
@@ -497,17 +612,21 @@ class BlobFetcher:
     async def _probe_size(
         self, blob_id: str, addresses: list[str]
     ) -> tuple[int, list[str], dict[str, str]]:
-        """Ask every provider for the blob's size (HEAD). Returns the size most of them
-        report, the providers that report it, and why the others are left out."""
+        """Ask every provider for the blob's size (HEAD) at once, each bounded by
+        ``probe_timeout_s``; once one answered, the others have a short grace (twice its
+        time, at least ``_PROBE_GRACE_S``) and the rest are left out. Returns the size most
+        of those who answered report, the providers that report it, and why the others are
+        left out."""
         sizes: dict[str, int] = {}
         failures: dict[str, str] = {}
+        started = time.monotonic()
 
         async def ask(address: str) -> None:
             try:
-                async with asyncio.timeout(self._timeout_s):
+                async with asyncio.timeout(self._probe_timeout_s):
                     found = await self._client.has_blob(address, blob_id)
             except TimeoutError:
-                failures[address] = f"no answer to HEAD within {self._timeout_s:g}s"
+                failures[address] = f"no answer to HEAD within {self._probe_timeout_s:g}s"
             except (TransportError, ProtocolViolation) as exc:
                 failures[address] = str(exc)
             else:
@@ -516,9 +635,23 @@ class BlobFetcher:
                 else:
                     sizes[address] = found
 
-        async with asyncio.TaskGroup() as group:
-            for address in addresses:
-                group.create_task(ask(address))
+        tasks = {asyncio.create_task(ask(a)): a for a in addresses}
+        pending = set(tasks)
+        try:
+            while pending and not sizes:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if pending:
+                grace = max(_PROBE_GRACE_S, 2 * (time.monotonic() - started))
+                _, pending = await asyncio.wait(pending, timeout=grace)
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in pending:
+            failures[tasks[task]] = "answered HEAD much later than the first provider"
+        for address, reason in failures.items():
+            if "404" not in reason:
+                self._fault(address, reason)
         usable = [sizes[a] for a in addresses if 0 <= sizes.get(a, -1) <= self._max_blob_bytes]
         if not usable:
             for address, reported in sizes.items():

@@ -21,8 +21,8 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import encode
@@ -43,7 +43,15 @@ __all__ = ["CatchUp", "PeerServices", "experiment_topic"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _MAX_PROVIDERS = 8
+#: A provider that failed in transit within this long is asked after the others.
+_FAULT_MEMORY_S = 60.0
+#: A record is asked of one provider; while none answered, of one more every this often.
+_HEDGE_S = 1.0
+#: The longest wait for one provider's answer to a small request (a record, a chain).
+_SMALL_ANSWER_S = 15.0
 _RECENT_REPORTS = 20
 #: The same report from several roles (each judged the same record) counts once.
 _SAME_REPORT_S = 5.0
@@ -86,11 +94,19 @@ class PeerServices:
         self._fetcher: BlobFetcher | None = None
         self._catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
+        #: address -> (transport faults in a row, when the last was): asked last a while
+        self._faults: dict[str, tuple[int, float]] = {}
 
     def attach(self, net: NetNode, fetch_timeout_s: float) -> None:
         self._net = net
         self._fetcher = BlobFetcher(
-            net.client, self.store.blobs, timeout_s=fetch_timeout_s, on_bad_provider=self._bad
+            net.client,
+            self.store.blobs,
+            timeout_s=fetch_timeout_s,
+            probe_timeout_s=net.config.probe_timeout_s,
+            min_rate=net.config.min_fetch_rate,
+            on_bad_provider=self._bad,
+            on_fault=self.transport_fault,
         )
 
     @property
@@ -130,7 +146,24 @@ class PeerServices:
         addresses += others
         own = net.address
         unique = [a for a in dict.fromkeys(addresses) if a != own]
+        # those that failed in transit lately go last (a stable sort keeps the order
+        # otherwise): tried when the others cannot help, never left out
+        now = time.monotonic()
+        unique.sort(key=lambda a: self._fault_count(a, now))
         return unique[:_MAX_PROVIDERS]
+
+    def transport_fault(self, address: str, reason: str) -> None:
+        """``address`` failed in transit (no answer, too slow, cut off): not misbehaviour,
+        but it is asked after the others for a while."""
+        count, _ = self._faults.get(address, (0, 0.0))
+        if len(self._faults) > 10_000:
+            self._faults.clear()
+        self._faults[address] = (count + 1, time.monotonic())
+        logger.debug("provider %s: %s", address, reason)
+
+    def _fault_count(self, address: str, now: float) -> int:
+        count, when = self._faults.get(address, (0, 0.0))
+        return count if now - when < _FAULT_MEMORY_S else 0
 
     def key_of(self, peer_id: str) -> bytes:
         signed = self.net.peers.get(peer_id) if peer_id else None
@@ -180,7 +213,8 @@ class PeerServices:
             except ProtocolViolation:  # the id of another kind of record: named wrongly
                 logger.warning("record %s is not an update", update_id[:12])
                 return None
-        for address in self.providers([proposer]):
+
+        async def ask(address: str) -> Signed[Update] | None:
             try:
                 raw = await self.net.client.record(address, update_id)
                 signed = open_envelope(raw, Update)
@@ -188,36 +222,80 @@ class PeerServices:
                     raise ProtocolViolation(f"asked for update {update_id[:12]}, got another")
                 return signed
             except TransportError as exc:
+                self.transport_fault(address, str(exc))
                 logger.info("record %s from %s: %s", update_id[:12], address, exc)
             except ProtocolViolation as exc:
                 self.blame(address, f"served a bad update record: {exc}")
-        return None
+            return None
+
+        return await self.first_answer(self.providers([proposer]), ask)
+
+    async def first_answer(
+        self, addresses: Sequence[str], ask: Callable[[str], Awaitable[T | None]]
+    ) -> T | None:
+        """``ask`` the first address, and one more every ``_HEDGE_S`` while none answered
+        (each bounded by ``_SMALL_ANSWER_S``); the first answer that is not None wins and the
+        other questions are cancelled. A hung or slow peer costs a second, not a timeout."""
+        queue = list(addresses)
+        pending: set[asyncio.Task[T | None]] = set()
+
+        async def bounded(address: str) -> T | None:
+            try:
+                async with asyncio.timeout(_SMALL_ANSWER_S):
+                    return await ask(address)
+            except TimeoutError:
+                self.transport_fault(address, f"no answer within {_SMALL_ANSWER_S:g}s")
+                return None
+
+        try:
+            while queue or pending:
+                if queue:
+                    pending.add(asyncio.create_task(bounded(queue.pop(0))))
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=_HEDGE_S if queue else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in done:
+                    answer = task.result()
+                    if answer is not None:
+                        return answer
+            return None
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def fetch_chain(
         self, height: Callable[[], int], address: str | None = None
     ) -> CatchUp | None:
-        """Certified heads above ``height()`` from a peer (``address``, or each provider in
-        turn) and the last one's state; None if nobody has more. One catch-up at a time (a
-        role waits for another's, then asks only for what it still lacks). The links are
+        """Certified heads above ``height()`` from a peer (``address``, or the providers,
+        hedged) and the last one's state; None if nobody has more. One catch-up at a time
+        (a role waits for another's, then asks only for what it still lacks). The links are
         checked by the machine that receives them, the blobs by hash on arrival."""
         async with self._catching_up:
             above = height()
-            for provider in [address] if address else self.providers():
+
+            async def ask(provider: str) -> tuple[list[tuple[Head, QuorumCertificate]], str] | None:
                 try:
                     links = await self.net.client.head_links(provider, self.experiment_id, above)
                 except (TransportError, ProtocolViolation) as exc:
+                    self.transport_fault(provider, str(exc))
                     logger.debug("catch-up from %s: %s", provider, exc)
-                    continue
+                    return None
                 links = [(h, c) for h, c in links if h.height > above]
-                if not links:
-                    continue
-                try:
-                    weights, optimizer = await self.fetch_head_blobs(links[-1][0])
-                except (TransportError, ProtocolViolation) as exc:
-                    logger.info("catch-up weights: %s", exc)
-                    continue
-                return links, weights, optimizer, self.key_at(provider)
-        return None
+                return (links, provider) if links else None
+
+            found = await self.first_answer([address] if address else self.providers(), ask)
+            if found is None:
+                return None
+            links, provider = found
+            try:
+                weights, optimizer = await self.fetch_head_blobs(links[-1][0], ())
+            except (TransportError, ProtocolViolation) as exc:
+                logger.info("catch-up weights: %s", exc)
+                return None
+            return links, weights, optimizer, self.key_at(provider)
 
     # -- reporting ------------------------------------------------------------------------
 

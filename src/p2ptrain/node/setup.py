@@ -16,6 +16,7 @@ Three ways in, tried in this order:
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,8 @@ class NodeSettings:
     sync_interval_s: float = 2.0
     #: Seconds a blob fetch waits for bytes before failing over.
     fetch_timeout_s: float = 30.0
+    #: A gossip socket whose peer answers no ping for this long is closed (no strike).
+    heartbeat_s: float = 20.0
     #: A role whose steps fail this many times in a row ends the node.
     max_role_failures: int = DEFAULT_MAX_FAILURES
     #: Keep every accepted update and proposal for good (who proposed and trained what);
@@ -212,48 +215,89 @@ def _remember(
     store.remember_experiment(experiment.record_id)
 
 
+#: How long a join waits for each bootstrap's answer before it gives up on that one.
+_JOIN_TIMEOUT_S = 60.0
+
+
 async def _joined(
     settings: NodeSettings, identity: Identity, store: NodeStore, experiment_id: str
 ) -> Prepared:
-    errors: list[str] = []
-    for address in settings.bootstrap:
+    """Ask every bootstrap at once for the experiment: the first valid answer wins and the
+    others are cancelled (a slow or hung first bootstrap never holds the join up); the
+    genesis weights then come from the bootstraps that answered, raced by the fetcher."""
+    errors: dict[str, str] = {}
+    addresses = list(dict.fromkeys(settings.bootstrap))
+    tasks = {
+        asyncio.create_task(_experiment_from(settings, identity, experiment_id, a)): a
+        for a in addresses
+    }
+    answered: list[str] = []
+    found: tuple[Signed[NetworkManifest], Signed[ExperimentManifest]] | None = None
+    try:
+        pending = set(tasks)
+        async with asyncio.timeout(_JOIN_TIMEOUT_S):
+            while pending and found is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    error = task.exception()
+                    if error is None:
+                        found = found or task.result()
+                        answered.append(tasks[task])
+                    elif isinstance(error, TransportError | ProtocolViolation):
+                        errors[tasks[task]] = str(error)
+                    else:
+                        raise error
+    except TimeoutError:
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if found is not None:
+        network, experiment = found
+        client = PeerClient(ClientCredentials(network.record, identity, secret=settings.secret))
         try:
-            return await _join_through(settings, identity, store, experiment_id, address)
+            fetcher = BlobFetcher(client, store.blobs, timeout_s=settings.fetch_timeout_s)
+            genesis_id = experiment.record.genesis_weights
+            await fetcher.fetch(genesis_id, answered)
         except (TransportError, ProtocolViolation) as exc:
-            errors.append(f"{address}: {exc}")
+            errors[answered[0]] = f"the genesis weights: {exc}"
+        else:
+            genesis = _decode_genesis(bytes(store.blobs.get(genesis_id)))
+            if schema_hash(genesis) != experiment.record.workload.schema_hash:
+                raise LocalError(
+                    f"the genesis weights {answered[0]} served do not match experiment "
+                    f"{experiment_id[:16]}'s schema hash; join through another seed"
+                )
+            _remember(store, network, experiment)
+            return Prepared(identity, network, experiment, genesis)
+        finally:
+            await client.close()
     raise LocalError(
         f"cannot join experiment {experiment_id[:16]}: "
-        + "; ".join(errors)
+        + "; ".join(
+            f"{a}: {errors.get(a, f'no answer within {_JOIN_TIMEOUT_S:g}s')}" for a in addresses
+        )
         + ". Check the seed address and that the seed is running this experiment"
     )
 
 
-async def _join_through(
-    settings: NodeSettings,
-    identity: Identity,
-    store: NodeStore,
-    experiment_id: str,
-    address: str,
-) -> Prepared:
+async def _experiment_from(
+    settings: NodeSettings, identity: Identity, experiment_id: str, address: str
+) -> tuple[Signed[NetworkManifest], Signed[ExperimentManifest]]:
+    """The network and experiment manifests as ``address`` serves them, checked."""
     network = open_envelope(await fetch_network_manifest(address), NetworkManifest)
     client = PeerClient(ClientCredentials(network.record, identity, secret=settings.secret))
     try:
         raw = await client.record(address, experiment_id)
-        experiment = open_envelope(raw, ExperimentManifest)
-        if experiment.record_id != experiment_id:
-            raise ProtocolViolation(f"{address} answered another experiment")
-        if experiment.record.network_id != network.record_id:
-            raise ProtocolViolation(f"{address} serves another network than the experiment's")
-        fetcher = BlobFetcher(client, store.blobs, timeout_s=settings.fetch_timeout_s)
-        genesis_id = experiment.record.genesis_weights
-        await fetcher.fetch(genesis_id, [address])
     finally:
         await client.close()
-    genesis = _decode_genesis(bytes(store.blobs.get(genesis_id)))
-    if schema_hash(genesis) != experiment.record.workload.schema_hash:
-        raise ProtocolViolation("the genesis weights do not match the experiment's schema hash")
-    _remember(store, network, experiment)
-    return Prepared(identity, network, experiment, genesis)
+    experiment = open_envelope(raw, ExperimentManifest)
+    if experiment.record_id != experiment_id:
+        raise ProtocolViolation(f"{address} answered another experiment")
+    if experiment.record.network_id != network.record_id:
+        raise ProtocolViolation(f"{address} serves another network than the experiment's")
+    return network, experiment
 
 
 def _decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:

@@ -151,7 +151,12 @@ class Node:
         stopping cleanly) when a role failed too many steps in a row."""
         s = self.settings
         config = NetConfig(
-            host=s.host, port=s.port, advertise=s.advertise, bootstrap=s.bootstrap, mdns=s.mdns
+            host=s.host,
+            port=s.port,
+            advertise=s.advertise,
+            bootstrap=s.bootstrap,
+            mdns=s.mdns,
+            heartbeat_s=s.heartbeat_s,
         )
         torch.set_num_threads(max(1, s.threads))
         net = NetNode(
