@@ -100,6 +100,7 @@ class Outsider:
         self.head = head
         self.sent = {"update": 0, "proposal": 0}
         self.closed_because: list[str] = []
+        self.close_codes: list[int | None] = []
 
     async def run(self) -> None:
         raw = await fetch_network_manifest(self.seed_address)
@@ -127,6 +128,7 @@ class Outsider:
                     async with asyncio.timeout(30):
                         await connection.wait_closed()
                 self.closed_because.append(connection.close_reason)
+                self.close_codes.append(connection.ws.close_code)
 
     async def _subscribed_connection(self, node: NetNode, topic: str) -> PeerConnection:
         async with asyncio.timeout(30):
@@ -218,6 +220,8 @@ def test_a_junk_flood_is_neither_kept_nor_forwarded(net: Net) -> None:
         any("banned" in reason for reason in outsider.closed_because),
         f"the seed did not ban the proposal sender: {outsider.closed_because}",
     )
+    # ... with the close code docs/protocol.md promises for misbehaviour
+    net.check(1008 in outsider.close_codes, f"banned socket closed with {outsider.close_codes}")
     net.wait("the seed to count the ban", 10, lambda: net.status("seed")["banned"] >= 1)
     # nobody was struck for the far-future updates: they only count as ignored
     for name in ("seed", "validator-0", "validator-1"):

@@ -117,6 +117,14 @@ CASES: list[Any] = [
         id="validator-partitioned-30s",
     ),
     pytest.param(
+        # the reducer and two validators cut off while window 1 gathers its updates: what
+        # was sent meanwhile is repaired by window syncs once the partition heals
+        _base(34, partitions=(Partitioned(3.0, 40.0, ("v0", "v1", "r0")),)),
+        3,
+        _all_accepted,
+        id="reducer-and-validators-partitioned-then-synced",
+    ),
+    pytest.param(
         _base(28, slow=(SlowLink("t1", 20_000.0, 0.5),)), 3, _no_check, id="slow-trainer-link"
     ),
     pytest.param(_base(29, loss=0.02), 3, _only_honest_trainers, id="message-loss-2pct"),

@@ -19,6 +19,7 @@ from p2ptrain.protocol.effects import (
     StoreRecord,
     StoreVote,
     TrainLater,
+    WindowSync,
 )
 from p2ptrain.protocol.intake import EarlyBuffer, IntakeRules
 from p2ptrain.protocol.participant import Participant
@@ -228,3 +229,50 @@ def test_a_proposal_update_fetch_stops_once_its_window_is_over() -> None:
     assert isinstance(again, Fetch) and again.delay_s == backoff(0)
     over = RecordFetch(h("u1"), identity(3).peer_id, 0)
     assert policy.fetch_failed(1.0, over, proven_bad=False) == []
+
+
+def test_an_update_no_proposal_named_is_sent_again_once_after_the_first_slot() -> None:
+    policy, train = _trainer(0)
+    delta, before, after = WORKLOAD.train(GENESIS, policy.machine.lease(1), 0, 1)
+    blob = make_encoder(MANIFEST.codec, schema_of(GENESIS)).encode(delta)
+    _, publish = policy.trained(1.0, train, blob, before, after)
+    assert isinstance(publish, Publish) and not publish.again
+    timing = MANIFEST.window
+    due = timing.deadline_s + timing.proposal_s  # the window opened at 0.0
+    assert policy.machine.next_wakeup(2.0) == due
+    assert policy.tick(due - 0.01) == []
+    again = policy.tick(due)
+    assert [type(e) for e in again] == [StoreBlob, Publish]
+    assert isinstance(again[1], Publish) and again[1].again
+    assert again[1].record == publish.record
+    assert policy.tick(due + 100.0) == []  # once
+    assert policy.machine.next_wakeup(due + 100.0) is None
+
+
+def test_an_update_a_proposal_named_is_not_sent_again() -> None:
+    policy, train = _trainer(0)
+    delta, before, after = WORKLOAD.train(GENESIS, policy.machine.lease(1), 0, 1)
+    blob = make_encoder(MANIFEST.codec, schema_of(GENESIS)).encode(delta)
+    _, publish = policy.trained(1.0, train, blob, before, after)
+    assert isinstance(publish, Publish) and isinstance(publish.record, Signed)
+    validator = _validator()
+    validator.fetched(2.0, BlobFetch(publish.record, ()), blob)
+    effects = validator.tick(MANIFEST.window.deadline_s)  # the deadline: it proposes
+    (proposal,) = [e for e in effects if isinstance(e, Publish) and e.kind == "proposal"]
+    assert isinstance(proposal.record, Signed)
+    assert policy.record(3.0, proposal.record, 0) == []
+    assert policy.machine.next_wakeup(3.0) is None
+    assert policy.tick(1e6) == []
+
+
+def test_a_stuck_window_asks_peers_what_it_holds_and_whether_the_chain_moved() -> None:
+    policy = _validator()
+    timing = MANIFEST.window
+    assert policy.tick(timing.deadline_s) == []  # slot 0: no updates, nothing to propose
+    effects = policy.tick(timing.deadline_s + timing.proposal_s)  # slot 1: still stuck
+    syncs = [e.request for e in effects if isinstance(e, Fetch)]
+    assert [type(r).__name__ for r in syncs] == ["WindowSync", "ChainFetch"]
+    window_sync = syncs[0]
+    assert isinstance(window_sync, WindowSync)
+    assert window_sync.window == 1 and window_sync.held == frozenset()
+    assert policy.tick(timing.deadline_s + timing.proposal_s + 0.1) == []  # once a slot

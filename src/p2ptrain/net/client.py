@@ -35,6 +35,7 @@ __all__ = [
     "PeerClient",
     "PeerRecords",
     "Refused",
+    "WindowRecords",
     "fetch_network_manifest",
     "pinned_ssl",
 ]
@@ -45,6 +46,9 @@ BLOB_ID_HEADER = "P2PTrain-Blob-Id"
 MAX_PEER_RECORDS_BYTES = 8 << 20
 MAX_HEAD_LINKS_BYTES = 64 << 20
 MAX_RECORD_BYTES = 64 << 20
+#: Ids a window answer may name (each 64 hex digits), and its size.
+MAX_WINDOW_IDS = 1024
+MAX_WINDOW_RECORDS_BYTES = 80 * MAX_WINDOW_IDS
 #: The signed network manifest, served without credentials (a newcomer needs it to sign).
 NETWORK_PATH = "/v1/network"
 
@@ -59,6 +63,14 @@ class HeadLinks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``GET /v1/heads/{experiment}``: certified heads above a height, in order."""
 
     links: list[tuple[Head, QuorumCertificate]]
+
+
+class WindowRecords(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``GET /v1/window/{experiment}/{window}``: the ids of the updates and proposals of
+    the window the node keeps (anti-entropy: a peer fetches the ones it lacks by id)."""
+
+    updates: list[str]
+    proposals: list[str]
 
 
 class Refused(TransportError):
@@ -219,6 +231,18 @@ class PeerClient:
         async with self.request("GET", address, f"/v1/records/{record_id}") as response:
             return await _read_limited(response, MAX_RECORD_BYTES)
 
+    async def window_records(self, address: str, experiment_id: str, window: int) -> WindowRecords:
+        """Which updates and proposals of ``window`` ``address`` keeps (ids, checked for
+        form; the records themselves are fetched by id and verified)."""
+        path = f"/v1/window/{experiment_id}/{window}"
+        async with self.request("GET", address, path) as response:
+            body = await _read_limited(response, MAX_WINDOW_RECORDS_BYTES)
+        answer = decode(WindowRecords, body, max_bytes=MAX_WINDOW_RECORDS_BYTES)
+        ids = [*answer.updates, *answer.proposals]
+        if len(ids) > MAX_WINDOW_IDS or not all(_is_id(i) for i in ids):
+            raise ProtocolViolation(f"{address} named malformed or too many record ids")
+        return answer
+
     async def has_blob(self, address: str, blob_id: str) -> int | None:
         """The size of ``blob_id`` at ``address``, or None when it does not hold it."""
         async with self.request("HEAD", address, f"/v1/blobs/{blob_id}", ok=(200, 404)) as r:
@@ -297,6 +321,10 @@ async def fetch_network_manifest(address: str, *, timeout_s: float = 30.0) -> by
             return await _read_limited(response, 1 << 20)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise TransportError(f"cannot reach {address}: {exc!r}") from exc
+
+
+def _is_id(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 async def _file_chunks(source: Any) -> AsyncIterator[bytes]:

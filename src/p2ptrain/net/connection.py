@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 Socket = aiohttp.ClientWebSocketResponse | web.WebSocketResponse
 _SEND_FAILURES = (ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError)
+#: How long a close waits for the peer's close frame.
+_CLOSE_S = 2.0
 
 
 class SlowPeer(Exception):
@@ -67,6 +69,7 @@ class PeerConnection:
         self._room = asyncio.Event()
         self._room.set()
         self._closed = asyncio.Event()
+        self._close_done = asyncio.Event()
         now = time.monotonic()
         self._frames = TokenBucket(config.frames_per_s, config.frame_burst, now)
         self._bytes = TokenBucket(config.bytes_per_s, config.byte_burst, now)
@@ -78,8 +81,8 @@ class PeerConnection:
         return self._closed.is_set()
 
     async def wait_closed(self) -> None:
-        """Return once the connection is closed (by either side)."""
-        await self._closed.wait()
+        """Return once the connection is closed (by either side) and its close finished."""
+        await self._close_done.wait()
 
     def send(self, frame: bytes) -> None:
         """Queue a frame; raise SlowPeer when the peer's queue is full."""
@@ -113,8 +116,9 @@ class PeerConnection:
                 self._room.set()
             try:
                 await self.ws.send_bytes(frame)
-            except _SEND_FAILURES:
+            except _SEND_FAILURES:  # the socket broke: nothing left to close cleanly
                 self._closed.set()
+                self._close_done.set()
                 break
             self.frames_out += 1
             self.bytes_out += len(frame)
@@ -149,24 +153,32 @@ class PeerConnection:
             raise ProtocolViolation("oversized frame")
 
     async def close(self, reason: str, *, code: int = aiohttp.WSCloseCode.OK) -> None:
+        """Say why (a ``Bye``), then close with ``code``. A close already under way (from
+        another task: a ban) is waited for, so that the socket's own task does not end --
+        and drop the transport -- before the peer has the close frame and its code."""
         if self.closed:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CLOSE_S + 1.0):
+                    await self._close_done.wait()
             return
         self.close_reason = reason
         self._closed.set()
         self._ready.set()
         self._room.set()
-        if not self.ws.closed and code == aiohttp.WSCloseCode.OK:
-            # a Bye says why first; a peer closed for misbehaving (1008) gets the close frame
-            # at once, or its own close (1000, on reading the Bye) would answer first
-            with contextlib.suppress(
-                ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
-            ):
-                await asyncio.wait_for(self.ws.send_bytes(encode_frame(Bye(reason[:500]))), 1.0)
-        if not self.ws.closed:
-            with contextlib.suppress(
-                ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
-            ):
-                await asyncio.wait_for(self.ws.close(code=code, message=reason[:100].encode()), 2.0)
+        try:
+            if not self.ws.closed:
+                with contextlib.suppress(
+                    ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
+                ):
+                    bye = encode_frame(Bye(reason[:500]))
+                    await asyncio.wait_for(self.ws.send_bytes(bye), 1.0)
+                with contextlib.suppress(
+                    ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
+                ):
+                    message = reason[:100].encode()
+                    await asyncio.wait_for(self.ws.close(code=code, message=message), _CLOSE_S)
+        finally:
+            self._close_done.set()
 
     def statistics(self) -> ConnectionStatistics:
         return ConnectionStatistics(

@@ -120,6 +120,7 @@ class NetNode:
             strike_decay_s=self.config.strike_decay_s,
         )
         self.gossip = GossipRouter(self.config, strike=self.strike, drop=self._drop_slow)
+        self._connected = asyncio.Event()
         self.relay = RelayHub(self.config.request_timeout_s)
         self._record: Signed[PeerRecord] | None = None
         self.content = LocalContent(blobs, self.peers, self.self_record)
@@ -347,7 +348,14 @@ class NetNode:
             self.spawn(held.close("duplicate connection"), "close-duplicate")
         self.gossip.connections[connection.peer_id] = connection
         self._opened += 1
+        self._connected.set()
         return True
+
+    async def wait_connected(self) -> None:
+        """Return once at least one gossip connection is open."""
+        while not any(not c.closed for c in self.gossip.connections.values()):
+            self._connected.clear()
+            await self._connected.wait()
 
     async def _serve(self, connection: PeerConnection) -> None:
         if not self._register(connection):

@@ -124,6 +124,17 @@ class NodeStore:
     def record(self, record_id: str) -> bytes | None:
         return self.state.get_record(record_id)
 
+    def window_record_ids(
+        self, experiment_id: str, window: int, limit: int
+    ) -> dict[str, list[str]]:
+        """The ids of the updates and proposals of ``window`` kept here, by kind."""
+        return {
+            kind: self.state.record_ids(
+                kind, experiment_id=experiment_id, height=window, limit=limit
+            )
+            for kind in ("update", "proposal")
+        }
+
     # -- trainer state --------------------------------------------------------------------
 
     def trainer_state_path(self) -> Path:

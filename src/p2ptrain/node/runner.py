@@ -44,6 +44,7 @@ from p2ptrain.protocol.effects import (
     StoreBlob,
     StoreRecord,
     StoreVote,
+    WindowSync,
 )
 from p2ptrain.protocol.policy import RolePolicy, policy_for
 from p2ptrain.protocol.role import RoleMachine
@@ -101,8 +102,7 @@ class RoleRunner:
                     self.spawn(step, name, window)
                 for name, step in self.forever():
                     group.create_task(self._guarded(step, name), name=f"{self.role}-{name}")
-                if self.machine.next_wakeup(time.monotonic()) is not None:
-                    group.create_task(self._tick_forever(), name=f"{self.role}-tick")
+                group.create_task(self._tick_forever(), name=f"{self.role}-tick")
                 await self._ended.wait()
                 raise _RoleEnded  # cancels the role's tasks
         except* _RoleEnded:
@@ -296,6 +296,8 @@ class RoleRunner:
             return signed
         if isinstance(request, StateFetch):
             return await services.fetch_head_blobs(request.head, request.first)
+        if isinstance(request, WindowSync):
+            return await services.sync_window(request.window, request.held)
         address = None if request.peer is None else services.net.address_of(request.peer)
         answer = await services.fetch_chain(lambda: self.machine.chain.height, address)
         if answer is None:
@@ -308,4 +310,5 @@ _FETCHING = {
     RecordFetch: "fetching a proposal's update",
     StateFetch: "fetching a head's weights",
     ChainFetch: "catching up",
+    WindowSync: "asking peers what the window holds",
 }

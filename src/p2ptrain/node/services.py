@@ -28,7 +28,7 @@ from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.records import Head, PeerRecord, Update
+from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.gossip import CERTIFICATE_KIND
 from p2ptrain.net.node import NetNode
@@ -37,6 +37,7 @@ from p2ptrain.node.events import NodeEvent, PeerReported
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.status import PeerReport
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.intake import ACCEPTED, Admission
 from p2ptrain.protocol.role import RoleMachine
 
 __all__ = ["CatchUp", "PeerServices", "experiment_topic"]
@@ -52,6 +53,9 @@ _FAULT_MEMORY_S = 60.0
 _HEDGE_S = 1.0
 #: The longest wait for one provider's answer to a small request (a record, a chain).
 _SMALL_ANSWER_S = 15.0
+#: A window sync asks this many peers which records they hold.
+_SYNC_PEERS = 3
+_SYNC_KINDS: dict[str, type[Any]] = {"update": Update, "proposal": Proposal}
 _RECENT_REPORTS = 20
 #: The same report from several roles (each judged the same record) counts once.
 _SAME_REPORT_S = 5.0
@@ -90,6 +94,8 @@ class PeerServices:
         self.rng = random.Random()
         #: Set by the node: a role's machine adopted a head.
         self.on_adopted: Callable[[RoleMachine, act.Adopted], None] = lambda *_: None
+        #: Set by the node: its intake rules, for records that did not come by gossip.
+        self.admit: Callable[[Signed[Any]], Admission] = lambda _: ACCEPTED
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         self._catching_up = asyncio.Lock()
@@ -296,6 +302,59 @@ class PeerServices:
                 logger.info("catch-up weights: %s", exc)
                 return None
             return links, weights, optimizer, self.key_at(provider)
+
+    async def sync_window(self, window: int, held: frozenset[str]) -> list[Signed[Any]]:
+        """Anti-entropy: ask a few peers which updates and proposals of ``window`` they keep
+        and fetch the ones not in ``held`` from whoever named them. Each record is verified
+        (signature, its id) and judged by the node's intake rules, like gossip."""
+        peers = self.providers()[:_SYNC_PEERS]
+
+        async def holdings(address: str) -> list[tuple[str, str, str]]:
+            try:
+                async with asyncio.timeout(_SMALL_ANSWER_S):
+                    answer = await self.net.client.window_records(
+                        address, self.experiment_id, window
+                    )
+            except (TransportError, TimeoutError) as exc:
+                self.transport_fault(address, str(exc) or "no answer")
+                return []
+            except ProtocolViolation as exc:
+                self.blame(address, f"answered a window sync badly: {exc}")
+                return []
+            return [
+                *(("update", i, address) for i in answer.updates),
+                *(("proposal", i, address) for i in answer.proposals),
+            ]
+
+        wanted: dict[str, tuple[str, str]] = {}
+        for named in await asyncio.gather(*(holdings(a) for a in peers)):
+            for kind, record_id, address in named:
+                if record_id not in held:
+                    wanted.setdefault(record_id, (kind, address))
+
+        async def fetch(record_id: str, kind: str, address: str) -> Signed[Any] | None:
+            try:
+                async with asyncio.timeout(_SMALL_ANSWER_S):
+                    raw = await self.net.client.record(address, record_id)
+                signed = open_envelope(raw, _SYNC_KINDS[kind])
+                if signed.record_id != record_id or signed.record.window != window:
+                    raise ProtocolViolation(f"named {kind} {record_id[:12]} but served another")
+            except (TransportError, TimeoutError) as exc:
+                self.transport_fault(address, str(exc) or "no answer")
+                return None
+            except ProtocolViolation as exc:
+                self.blame(address, f"served a bad {kind} in a window sync: {exc}")
+                return None
+            admission = self.admit(signed)
+            if admission.rejected and admission.blame:
+                self.report(admission.blame, f"{kind} rejected: {admission.reason}")
+            return signed if admission.accepted else None
+
+        found = await asyncio.gather(*(fetch(i, k, a) for i, (k, a) in wanted.items()))
+        records = [signed for signed in found if signed is not None]
+        if records:
+            logger.info("window %d: a sync found %d record(s) we lacked", window, len(records))
+        return records
 
     # -- reporting ------------------------------------------------------------------------
 

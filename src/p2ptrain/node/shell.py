@@ -33,9 +33,11 @@ import torch
 
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
+from p2ptrain.core.encoding import encode
 from p2ptrain.core.records import Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
@@ -118,6 +120,8 @@ class Node:
             self.experiment_id,
             max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(prepared.genesis)),
         )
+        # records fetched by a window sync pass the same intake as gossip
+        self.services.admit = lambda signed: self.intake.judge(signed, self.height + 1)
         self.runners = role_runners(
             settings.roles,
             prepared,
@@ -172,6 +176,7 @@ class Node:
         self.services.attach(net, s.fetch_timeout_s)
         handlers = net.content.handlers
         handlers["/v1/records/"] = self._answer_record
+        handlers["/v1/window/"] = self._answer_window
         handlers["/v1/status"] = self._answer_status
         handlers["/v1/network"] = self._answer_network
         async with net:
@@ -438,6 +443,16 @@ class Node:
         if raw is None:
             return text_answer(404, f"this node does not hold record {record_id[:64]}")
         return Answer(200, {"Content-Type": "application/msgpack"}, raw)
+
+    def _answer_window(self, target: str) -> Answer:
+        """``/v1/window/{experiment}/{window}``: the ids of the window's updates and
+        proposals kept here (a peer whose window is stuck fetches those it lacks)."""
+        parts = target.split("?", maxsplit=1)[0].split("/")
+        if len(parts) != 5 or parts[3] != self.experiment_id or not parts[4].isdigit():
+            return text_answer(404, "ask /v1/window/{experiment}/{window} of our experiment")
+        held = self.store.window_record_ids(self.experiment_id, int(parts[4]), MAX_WINDOW_IDS // 2)
+        body = encode(WindowRecords(updates=held["update"], proposals=held["proposal"]))
+        return Answer(200, {"Content-Type": "application/msgpack"}, body)
 
     def _answer_network(self, target: str) -> Answer:
         body = bytes(self.network.envelope.encode())

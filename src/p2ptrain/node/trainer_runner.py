@@ -42,6 +42,9 @@ __all__ = ["TRAIN_STEP", "TrainerRunner", "window_seed"]
 
 logger = logging.getLogger(__name__)
 
+#: How long an update said again waits for a gossip connection (a seed restarting).
+_RESEND_WAIT_S = 60.0
+
 TRAIN_STEP = "training"
 
 
@@ -166,6 +169,15 @@ class TrainerRunner(RoleRunner):
         assert isinstance(signed, Signed) and blob is not None
         if services.net.address is None:
             await self._push(sha256_hex(blob))
+        if effect.again:
+            # said again because no proposal named it: it must reach someone this time
+            async with asyncio.timeout(_RESEND_WAIT_S):
+                await services.net.wait_connected()
+            services.publish("update", signed)
+            logger.info(
+                "window %d: update %s sent again", signed.record.window, signed.record_id[:12]
+            )
+            return
         services.publish("update", signed)
         self.emit(
             Published(

@@ -23,16 +23,28 @@ __all__ = [
     "SendCertificate",
     "SendProposal",
     "SendUpdate",
+    "SyncWindow",
     "Train",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class SendUpdate:
-    """A trainer's update and its blob, for the window's reducers and validators."""
+    """A trainer's update and its blob, for the window's reducers and validators
+    (``again``: it was sent before, and no proposal named it in time)."""
 
     update: Signed[Update]
     blob: bytes
+    again: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SyncWindow:
+    """The open window ``window`` is past its deadline without a certificate: ask peers
+    which of its updates and proposals they hold (ids only) and fetch the ones we lack
+    (anti-entropy: a message lost to a crash or a partition is repaired)."""
+
+    window: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +129,7 @@ Action = (
     | FetchUpdates
     | FetchState
     | FetchChain
+    | SyncWindow
     | Adopted
     | Reported
     | Train

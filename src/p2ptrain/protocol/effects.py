@@ -30,6 +30,7 @@ __all__ = [
     "StoreRecord",
     "StoreVote",
     "TrainLater",
+    "WindowSync",
 ]
 
 
@@ -41,6 +42,8 @@ class Publish:
     kind: str
     record: Signed[Any] | CertifiedLink
     blob: bytes | None = None
+    #: Sent before (a trainer's update that no proposal named in time): said again.
+    again: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +107,16 @@ class ChainFetch:
     after_height: int
 
 
-Request = BlobFetch | RecordFetch | StateFetch | ChainFetch
+@dataclass(frozen=True, slots=True)
+class WindowSync:
+    """Ask peers which updates and proposals of ``window`` they hold (ids), and fetch the
+    records we do not (``held``); the answer is the verified records that passed intake."""
+
+    window: int
+    held: frozenset[str]
+
+
+Request = BlobFetch | RecordFetch | StateFetch | ChainFetch | WindowSync
 
 
 @dataclass(frozen=True, slots=True)

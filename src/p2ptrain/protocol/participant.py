@@ -11,7 +11,11 @@ and after the deadline walks the proposer slots (:mod:`.proposers`):
   two heads at one height; a proposer caught with a wrong head is reported and, if a
   reducer, dropped from the pool;
 * when the slots run out without a certificate they start over: a validator that voted
-  sends its attestation again (lost messages), one that did not judges again.
+  sends its attestation again (lost messages), one that did not judges again;
+* from the end of the first slot on, every ``SYNC_EVERY_SLOTS`` slots, a participant that
+  still waits for something (it has not voted; a reducer, has not proposed) asks its peers
+  which updates and proposals of the window they hold and fetches what it lacks
+  (:class:`SyncWindow`): what a crash or a partition lost is repaired once it heals.
 
 A window closes early when it is full: once ``max_updates`` updates have arrived, or a
 proposal naming ``max_updates`` updates arrives, the deadline is now (nobody can be left out
@@ -42,6 +46,7 @@ from p2ptrain.protocol.actions import (
     SendAttestation,
     SendCertificate,
     SendProposal,
+    SyncWindow,
 )
 from p2ptrain.protocol.follower import Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
@@ -55,7 +60,10 @@ from p2ptrain.protocol.reduction import (
     reduce_window,
 )
 
-__all__ = ["Participant", "ParticipantStatistics"]
+__all__ = ["SYNC_EVERY_SLOTS", "Participant", "ParticipantStatistics"]
+
+#: A participant still waiting asks its peers what the window holds every this many slots.
+SYNC_EVERY_SLOTS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,7 @@ class _Window:
     fetching: dict[bytes, frozenset[str]] = field(default_factory=dict)
     proposed: bool = False
     resent_in_slot: int = -1
+    synced_in_slot: int = -1
 
 
 class Participant(Follower):
@@ -184,6 +193,13 @@ class Participant(Follower):
         verdict = belongs_to_window(self.experiment_id, w.base, signed.record)
         if not verdict:
             return []  # stale or replayed: belongs in no cohort, nothing to count
+        if not w.arrival and now >= w.deadline_at and not w.proposals:
+            # the first update of a window whose deadline passed empty (what was sent was
+            # lost, or the window opened here long before elsewhere): the others get a full
+            # deadline too, or each proposer would propose the little that reached it
+            w.deadline_at = now + self.manifest.window.deadline_s
+            w.resent_in_slot = w.synced_in_slot = -1
+            self.last_reason = f"window {w.base.window}: first update after the deadline"
         w.updates[update_id] = Submission(signed.record, update_id, blob)
         w.arrival.append(update_id)
         if now < w.deadline_at or not w.proposals:
@@ -239,9 +255,25 @@ class Participant(Follower):
                 actions += self.receive_certificate(now, head, certificate, self.key)
         return actions
 
+    def update_unavailable(self, now: float, update_id: str) -> list[Action]:
+        """Nobody could deliver ``update_id`` (every try failed): a proposal that names it
+        cannot be checked, so it is not attested (nobody is blamed: it may be our link)."""
+        w = self._window
+        stuck = [p for p, missing in w.fetching.items() if update_id in missing]
+        for proposer in stuck:
+            del w.fetching[proposer]
+            w.judged[proposer] = Verdict(False, f"named update {update_id[:12]} nobody delivered")
+            self.last_reason = f"proposal of {peer_id_of(proposer)[:12]}: cannot be checked"
+        return self._advance(now) if stuck else []
+
     def holds_update(self, update_id: str) -> bool:
         """Whether the open window took update ``update_id`` (it may be named and used)."""
         return update_id in self._window.updates
+
+    def held_records(self) -> frozenset[str]:
+        """The ids of the updates and proposals the open window took."""
+        proposals = (p.record_id for p in self._window.proposals.values())
+        return frozenset((*self._window.updates, *proposals))
 
     def holds_proposal(self, signed: Signed[Proposal]) -> bool:
         """Whether the open window took this proposal (it is judged, and may be asked for)."""
@@ -289,6 +321,15 @@ class Participant(Follower):
         actions: list[Action] = []
         height = w.base.window
         voted = self.votes.get(height)
+        waiting = voted is None and (self.is_validator or not w.proposed)
+        if (
+            waiting
+            and slot >= 1
+            and slot != w.synced_in_slot
+            and (slot - 1) % SYNC_EVERY_SLOTS == 0
+        ):
+            w.synced_in_slot = slot
+            actions.append(SyncWindow(height))
         if voted is not None:
             if self.is_validator and slot >= len(w.order) and w.resent_in_slot != slot:
                 w.resent_in_slot = slot
@@ -307,6 +348,10 @@ class Participant(Follower):
                 continue
             verdict = self._judge(proposer, actions)
             if verdict is None:
+                if proposer in w.fetching:
+                    # its updates are on their way: judge it before proposing or judging a
+                    # later one (skipping ahead splits the validators' votes for good)
+                    break
                 continue
             if not verdict.ok:
                 limit = min(max(limit, index + 1), len(w.order) - 1)  # skip ahead

@@ -17,7 +17,11 @@ and answers with effects (:mod:`.effects`) for a transport to carry out:
 * **retry and back-off** -- a fetch that failed in transit is tried again after 0.5, 1, 2,
   ... s (at most 5 s) while what it is for is still needed, a bounded number of times; one
   answered with bytes proven wrong is not (the fetcher already blamed the provider);
-* **catch-up** -- a certificate more than one height ahead fetches the chain from its sender.
+* **catch-up** -- a certificate more than one height ahead fetches the chain from its sender;
+* **anti-entropy** -- a participant whose window is stuck past its deadline asks its peers
+  which of the window's records they hold and fetches those it lacks (:class:`WindowSync`;
+  a failed sync is not retried, the next slot asks again); a trainer's update that no
+  proposal named in time is sent once more.
 
 Inputs carry ``now``; each returns the effects to carry out, in order. One policy wraps one
 role machine; a node of several roles runs one per machine.
@@ -47,6 +51,7 @@ from p2ptrain.protocol.effects import (
     StoreRecord,
     StoreVote,
     TrainLater,
+    WindowSync,
 )
 from p2ptrain.protocol.intake import EarlyBuffer, window_of
 from p2ptrain.protocol.participant import Participant
@@ -204,7 +209,10 @@ class TrainerPolicy(RolePolicy):
     ) -> list[Effect]:
         """The transport trained ``train`` and encoded ``blob``."""
         return self.carry(
-            now, self.machine.finish(train.window, train.base_head, blob, loss_before, loss_after)
+            now,
+            self.machine.finish(
+                train.window, train.base_head, blob, loss_before, loss_after, now=now
+            ),
         )
 
     def train_failed(self, now: float, train: act.Train, failures_in_a_row: int) -> list[Effect]:
@@ -215,10 +223,16 @@ class TrainerPolicy(RolePolicy):
         """The back-off passed: train again unless a newer head came first."""
         return [train] if train.base_head == self.machine.base.head_id else []
 
+    def record(self, now: float, signed: Signed[Any], size: int) -> list[Effect]:
+        if isinstance(signed.record, Proposal):
+            self.machine.saw_proposal(signed)
+        return []
+
     def effects_of(self, now: float, action: act.Action) -> list[Effect]:
         if isinstance(action, act.SendUpdate):
             # the blob is kept first: peers fetch it as soon as they see the update
-            return [StoreBlob(action.blob), Publish("update", action.update, action.blob)]
+            publish = Publish("update", action.update, action.blob, again=action.again)
+            return [StoreBlob(action.blob), publish]
         return super().effects_of(now, action)
 
 
@@ -288,6 +302,12 @@ class ParticipantPolicy(RolePolicy):
                 return []
             first = (request.proposer, signed.record.trainer_id)
             return [Fetch(BlobFetch(signed, first))]
+        if isinstance(request, WindowSync):
+            # records peers hold and we lacked: verified and through intake, as from gossip
+            effects: list[Effect] = []
+            for signed in answer:
+                effects += self.record(now, signed, 0)
+            return effects
         return super().fetched(now, request, answer)
 
     def fetch_failed(self, now: float, request: Request, *, proven_bad: bool) -> list[Effect]:
@@ -298,9 +318,13 @@ class ParticipantPolicy(RolePolicy):
             still = window == self.machine.window
             if still and not proven_bad and request.attempt + 1 < FETCH_ATTEMPTS:
                 return [self._again(request)]
-            if isinstance(request, BlobFetch):
-                self._fetching_updates.discard(request.update.record_id)
-            return []
+            update_id = (
+                request.update.record_id if isinstance(request, BlobFetch) else request.update_id
+            )
+            self._fetching_updates.discard(update_id)
+            if not still:
+                return []
+            return self.carry(now, self.machine.update_unavailable(now, update_id))
         return super().fetch_failed(now, request, proven_bad=proven_bad)
 
     def effects_of(self, now: float, action: act.Action) -> list[Effect]:
@@ -321,6 +345,18 @@ class ParticipantPolicy(RolePolicy):
                 *self._keep_reduction(attestation.head_id),
                 Publish("attestation", action.attestation),
             ]
+        if isinstance(action, act.SyncWindow):
+            # the window may also be stuck because a certificate was lost: ours goes out
+            # again (whoever missed it catches up; peers that saw it drop it as seen), and
+            # we ask whether the chain moved past us
+            machine = self.machine
+            effects: list[Effect] = [Fetch(WindowSync(action.window, machine.held_records()))]
+            effects.append(Fetch(ChainFetch(None, machine.chain.height)))
+            tip = machine.chain.tip
+            if tip.certificate is not None:
+                link = CertifiedLink(head=tip.head, certificate=tip.certificate)
+                effects.append(Publish("certificate", link))
+            return effects
         if isinstance(action, act.FetchUpdates):
             proposer = peer_id_of(action.peer)
             window = self.machine.window

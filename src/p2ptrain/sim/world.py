@@ -24,7 +24,7 @@ from typing import Any
 from p2ptrain.aggregate.codecs import make_encoder, max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import sha256_hex
-from p2ptrain.core.envelope import KINDS, open_envelope
+from p2ptrain.core.envelope import KINDS, Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import (
     AggregationSpec,
@@ -50,6 +50,7 @@ from p2ptrain.protocol.effects import (
     StoreRecord,
     StoreVote,
     TrainLater,
+    WindowSync,
 )
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.intake import IntakeRules
@@ -91,6 +92,8 @@ class _Node:
     #: neither: a node's store is on disk).
     blobs: dict[str, bytes] = field(default_factory=dict)
     records: dict[str, bytes] = field(default_factory=dict)
+    #: The kind and id of each record kept, by window (what a window sync is answered).
+    by_window: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     #: Fetches in flight: token -> request.
     pending: dict[int, Request] = field(default_factory=dict)
 
@@ -364,7 +367,10 @@ class World:
             elif isinstance(effect, StoreBlob):
                 node.blobs[sha256_hex(effect.data)] = effect.data
             elif isinstance(effect, StoreRecord):
-                node.records[effect.signed.record_id] = bytes(effect.signed.envelope.encode())
+                record_id = effect.signed.record_id
+                if record_id not in node.records:
+                    node.by_window.setdefault(effect.window, []).append((effect.kind, record_id))
+                node.records[record_id] = bytes(effect.signed.envelope.encode())
             elif isinstance(effect, StoreVote):
                 pass  # the machine's votes outlive a simulated crash already
             elif isinstance(effect, Fetch):
@@ -445,6 +451,8 @@ class World:
             named = request.first
         elif isinstance(request, RecordFetch):
             named = (request.proposer,)
+        elif isinstance(request, WindowSync):
+            named = ()
         else:
             named = (request.peer,)
         for peer_id in named:
@@ -482,6 +490,10 @@ class World:
             if state is not None:
                 answer = (links, *state, node.identity.public_key)
                 size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
+        elif isinstance(request, WindowSync):
+            held = node.by_window.get(request.window, [])
+            answer = [(k, node.records[i]) for k, i in held if i not in request.held]
+            size += 80 * len(held) + sum(len(raw) for _, raw in answer)
         else:
             answer = self._lookup(node, request)
             if isinstance(answer, bytes):
@@ -513,6 +525,8 @@ class World:
             if answer.record_id != request.update_id:
                 self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
                 return
+        elif isinstance(request, WindowSync):
+            answer = self._admitted(node, answer)
         elif isinstance(request, StateFetch | ChainFetch):
             head = request.head if isinstance(request, StateFetch) else answer[0][-1][0]
             weights, optimizer = answer if isinstance(request, StateFetch) else answer[1:3]
@@ -523,6 +537,20 @@ class World:
             if optimizer is not None:
                 node.blobs[sha256_hex(optimizer)] = optimizer
         self._carry(node, node.policy.fetched(now, request, answer))
+
+    def _admitted(self, node: _Node, answer: list[tuple[str, bytes]]) -> list[Signed[Any]]:
+        """A window sync's records, verified and through intake (as if gossip brought
+        them); those that fail are dropped (a node blames their signer or the peer that
+        served them; nodes here serve only what they kept)."""
+        admitted = []
+        for kind, raw in answer:
+            try:
+                signed = open_envelope(raw, KINDS[kind].type, max_bytes=MAX_ENVELOPE)
+            except ProtocolViolation:
+                continue
+            if self.intake.judge(signed, node.machine.chain.height + 1).accepted:
+                admitted.append(signed)
+        return admitted
 
     # --- results -------------------------------------------------------------------------
 

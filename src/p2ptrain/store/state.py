@@ -257,6 +257,17 @@ class StateStore:
             ).fetchall()
         return [(str(record_id), bytes(envelope)) for record_id, envelope in rows]
 
+    def record_ids(self, kind: str, *, experiment_id: str, height: int, limit: int) -> list[str]:
+        """The ids of at most ``limit`` records of a kind at one experiment and height (in
+        id order): what a peer asks to learn which records it lacks."""
+        where, params = _record_filter(kind, experiment_id, height)
+        with self._transaction() as db:
+            rows = db.execute(
+                f"SELECT record_id FROM records WHERE {where} ORDER BY record_id LIMIT ?",
+                (*params, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
+
     def count(
         self, kind: str, *, experiment_id: str | None = None, height: int | None = None
     ) -> int:
