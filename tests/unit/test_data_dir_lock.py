@@ -1,5 +1,5 @@
 """The data directory lock: one node per directory, the holder named, nothing stale after a
-crash, readers never refused."""
+crash, readers never refused; and the children bound to their parent's life."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from p2ptrain.errors import DataDirInUse, LocalError
+from p2ptrain.node import parent_death
 from p2ptrain.store.datadir import LOCK_FILE, DataDir, DataDirLock, check_not_in_use
 
 HOLDER = """
@@ -121,3 +123,39 @@ def test_what_is_not_a_data_directory_is_not_in_use(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     for path in (tmp_path / "missing", tmp_path / "plain", tmp_path / "file"):
         check_not_in_use(path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_are_bound_to_this_process_only_from_the_main_thread() -> None:
+    command = ["p2ptrain", "seed"]
+    wrapped = parent_death.bound_to_this_process(command)
+    assert wrapped[-2:] == command and wrapped[wrapped.index("-S") + 2] == str(os.getpid())
+    seen: list[list[str]] = []
+    worker = threading.Thread(
+        target=lambda: seen.append(parent_death.bound_to_this_process(command))
+    )
+    worker.start()
+    worker.join()
+    assert seen == [command]  # the child would die with the worker thread
+
+
+def test_a_child_whose_parent_already_ended_does_not_start() -> None:
+    # the wrapper runs as a script with the standard library only; parent 1 is not us
+    script = parent_death.__file__
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", script, "1", sys.executable, "-c", "print('started')"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert "parent 1 ended before" in result.stderr
+    started = subprocess.run(
+        [sys.executable, "-I", "-S", script, str(os.getpid()), sys.executable, "-c", "print(1)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (started.returncode, started.stdout) == (0, "1\n"), started.stderr
