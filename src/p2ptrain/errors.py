@@ -29,6 +29,23 @@ class LocalError(P2PTrainError):
     exit_code: int = 2
 
 
+class DataDirInUse(LocalError):
+    """Another process holds the data directory (a node runs on it)."""
+
+    def __init__(self, path: str, pid: int | None) -> None:
+        self.path = path
+        #: The holder's pid as it recorded it (None when it could not be read).
+        self.pid = pid
+        super().__init__(
+            f"data directory {path} is in use by {self.holder} (another p2ptrain node); "
+            "stop it or use another --dir"
+        )
+
+    @property
+    def holder(self) -> str:
+        return "another process" if self.pid is None else f"pid {self.pid}"
+
+
 class TransportError(P2PTrainError):
     """A network or disk operation failed; the caller may retry or skip."""
 

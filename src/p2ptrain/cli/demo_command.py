@@ -7,22 +7,40 @@ and a baseline is trained in this process on the same samples the way synchronou
 parallel training (DDP) would: one optimizer, batch = trainers x per-trainer batch, the same
 number of steps. The summary compares validation losses and the bytes each trainer sent with
 what DDP's all-reduce would have sent.
+
+The demo owns its nodes: it refuses a work directory where a node still runs (it would wipe
+that node's data), and SIGINT, SIGTERM or SIGHUP stop every node (SIGINT, then SIGKILL for a
+node that does not stop in time; a second signal SIGKILLs them at once) before it exits with
+128 + the signal's number. Killed outright, the demo takes its nodes with it on Linux
+(:mod:`p2ptrain.node.parent_death`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-from p2ptrain.errors import LocalError
+from p2ptrain.errors import DataDirInUse, LocalError
 from p2ptrain.node.events import Exited, HeadAdopted, PeerReported, RoleFailure, Trained
+from p2ptrain.store.datadir import check_not_in_use
+
+if TYPE_CHECKING:
+    from p2ptrain.node.local_network import LocalNetwork
 
 __all__ = ["add_parser", "run_demo"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: How long the nodes get to stop cleanly once a signal stopped the demo.
+SIGNAL_STOP_S = 5.0
 
 
 def add_parser(commands: Any) -> None:
@@ -75,16 +93,14 @@ def _seconds_per_step(config: dict[str, Any]) -> float:
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from p2ptrain.node.local_network import LocalNetwork, experiment_toml
-    from p2ptrain.torch.char_gpt import DEFAULT_CONFIG, DEMO_DEFAULTS
+    from p2ptrain.node.local_network import LocalNetwork
+    from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
     console = Console(stderr=True)
     workdir = Path(args.workdir).resolve()
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    _wipe(workdir)
     config = dict(DEFAULT_CONFIG)
     step_s = _seconds_per_step(config)
     cores = 2
@@ -98,6 +114,33 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     network = LocalNetwork(workdir)
+    try:
+        with _stop_on_signals(network):
+            return _run(
+                network,
+                args,
+                config=config,
+                console=console,
+                deadline_s=deadline_s,
+                started=started,
+            )
+    except _StopSignal as stop:
+        console.print(f"stopped by {stop}")
+        return 128 + stop.signum
+
+
+def _run(
+    network: LocalNetwork,
+    args: argparse.Namespace,
+    *,
+    config: dict[str, Any],
+    console: Any,
+    deadline_s: float,
+    started: float,
+) -> int:
+    from p2ptrain.node.local_network import experiment_toml
+    from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+
     validators = [network.identity(f"validator-{i}") for i in range(3)]
     reducers = [network.identity("reducer")]
     toml = experiment_toml(
@@ -127,11 +170,12 @@ def run_demo(args: argparse.Namespace) -> int:
         for name in trainers:
             network.start(name, "trainer")
         network.wait_ready(trainers)
+        console.print(f"every node is ready: {len(network.nodes)} processes")
         _follow(network, args.windows, console, per_window_s=deadline_s + 60)
-    except KeyboardInterrupt:
-        console.print("interrupted: stopping every node")
-        network.stop()
-        return 130
+    except _StopSignal as stop:
+        console.print(f"{stop}: stopping every node")
+        network.stop(timeout_s=SIGNAL_STOP_S)
+        raise
     finally:
         network.stop()
     network_s = time.monotonic() - started
@@ -143,6 +187,58 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary, console)
     return 0 if summary["windows_certified"] >= args.windows else 1
+
+
+def _wipe(workdir: Path) -> None:
+    """Empty ``workdir`` for a new demo, unless a node still runs on a data directory in it."""
+    if workdir.is_dir():
+        for path in (workdir, *workdir.iterdir()):
+            try:
+                check_not_in_use(path)
+            except DataDirInUse as exc:
+                raise LocalError(
+                    f"the work dir {workdir} holds the data directory {exc.path}, in use by "
+                    f"{exc.holder} (a running node); stop it or use another --workdir"
+                ) from None
+    try:
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+    except OSError as exc:
+        raise LocalError(
+            f"cannot make a fresh work dir at {workdir}: {exc.strerror}; use another --workdir"
+        ) from exc
+
+
+class _StopSignal(BaseException):
+    """SIGINT, SIGTERM or SIGHUP asked the demo to stop (a BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals(network: LocalNetwork) -> Iterator[None]:
+    """Within: the first stop signal raises :class:`_StopSignal` in the main thread (the
+    demo then stops its nodes); a second one SIGKILLs the nodes at once."""
+
+    def again(signum: int, frame: FrameType | None) -> None:
+        for node in network.nodes.values():
+            node.signal(signal.SIGKILL)
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, again)
+        raise _StopSignal(signum)
+
+    previous = {stop: signal.signal(stop, first) for stop in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
 
 
 def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> None:

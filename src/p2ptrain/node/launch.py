@@ -1,10 +1,12 @@
 """Running a node in the foreground: data directory, preparation, workload, signals.
 
 ``run_node(settings)`` is what ``p2ptrain node|seed|train|validate|reduce|view`` call: it opens the
-data directory, prepares the node (:mod:`.setup`), builds the trainer's workload from the
-experiment manifest (checking that the local model and data are the experiment's), and runs
-until the window target or SIGINT/SIGTERM, which stop it cleanly (connections closed with a
-goodbye, status written, the database closed). A role that failed too often in a row stops
+data directory and holds its lock until the node ends (a second node on it is refused,
+naming this one's pid; :class:`~p2ptrain.store.datadir.DataDirLock`), prepares the node
+(:mod:`.setup`), builds the trainer's workload from the experiment manifest (checking that
+the local model and data are the experiment's), and runs until the window target or
+SIGINT/SIGTERM, which stop it cleanly (connections closed with a goodbye, status written, the
+database closed). A role that failed too often in a row stops
 it the same way, and then :class:`~.failures.RoleFailed` is raised.
 """
 
@@ -69,7 +71,7 @@ async def serve(
 ) -> NodeStatus:
     """Prepare and run a node until it stops; return its final status."""
     ensure_kernel()  # the C aggregation kernel, built on first use
-    with DataDir(settings.data_dir) as datadir:
+    with DataDir(settings.data_dir, exclusive=True) as datadir:
         store = NodeStore(datadir)
         prepared = await prepare(settings, store)
         manifest = prepared.experiment.record

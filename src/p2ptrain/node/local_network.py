@@ -8,7 +8,8 @@ B`` for a node of several roles): its stdout is one JSON event per line, read ba
 typed events (:mod:`.events`) by a thread per process into one queue, which ends each
 process's stream with an :class:`~.events.Exited`; its stderr goes to ``logs/<name>.log``.
 Stopping sends SIGINT (a node stops cleanly) and escalates to SIGKILL only for a node that
-does not exit in time.
+does not exit in time. On Linux a node started from the main thread is also SIGKILLed by the
+kernel when this process ends without stopping it (killed, crashed): :mod:`.parent_death`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import IO, Any
 
 from p2ptrain.errors import LocalError
 from p2ptrain.node.events import Exited, NodeEvent, Ready, decode_event
+from p2ptrain.node.parent_death import bound_to_this_process
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
 __all__ = ["LocalNetwork", "NodeProcess", "experiment_toml"]
@@ -190,7 +192,7 @@ class LocalNetwork:
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log, "ab") as log_file:
             process = subprocess.Popen(
-                command,
+                bound_to_this_process(command),  # it dies with us (Linux)
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log_file,

@@ -128,7 +128,10 @@ async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
                 f"{settings.data_dir} follows experiment {known}, not {settings.experiment_id}; "
                 "use another --dir to join another experiment"
             )
-        return _restored(identity, store, known)
+        restored = _restored(identity, store, known)
+        if settings.experiment_toml is not None:
+            _check_definition(settings.experiment_toml, restored, settings.data_dir)
+        return restored
     if settings.experiment_toml is not None:
         return _created(settings, identity, store)
     if settings.experiment_id is None:
@@ -154,15 +157,50 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
     return Prepared(identity, network, experiment, genesis)
 
 
+def _read_definition(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
+
+
+def _check_definition(path: Path, restored: Prepared, data_dir: Path) -> None:
+    """Refuse a seed restarted with a definition other than the experiment it serves: the
+    definition, filled in with what the seed computed when it created the experiment, must
+    be that experiment to the byte."""
+    served = restored.experiment.record
+    fill: dict[str, Any] = {
+        "network_id": served.network_id,
+        "workload": {"schema_hash": served.workload.schema_hash},
+        "dataset": msgspec.to_builtins(served.dataset),
+        "genesis_weights": served.genesis_weights,
+        "lease_size": served.lease_size,
+    }
+    advice = (
+        "use a fresh --dir to create a new experiment, or restart with the original "
+        "--experiment-toml"
+    )
+    try:
+        raw = parse_experiment_toml(_read_definition(path))
+        defined = experiment_from_tables(raw, restored.identity.public_key, fill).id
+    except LocalError as exc:
+        raise LocalError(
+            f"{data_dir} follows experiment {restored.experiment.record_id}, which {path} "
+            f"does not define ({exc}); {advice}"
+        ) from exc
+    if defined != restored.experiment.record_id:
+        raise LocalError(
+            f"{data_dir} follows experiment {restored.experiment.record_id}, not {defined} "
+            f"defined by {path}; {advice}"
+        )
+
+
 def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Prepared:
     from p2ptrain.torch.registry import make_workload
 
     assert settings.experiment_toml is not None
     path = settings.experiment_toml
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
+    text = _read_definition(path)
     network = NetworkManifest(
         name=settings.network_name,
         authority=identity.public_key,

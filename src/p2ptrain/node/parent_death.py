@@ -1,0 +1,83 @@
+"""Child processes that end with the process that started them, even when it is SIGKILLed.
+
+:func:`bound_to_this_process` wraps a command so that it runs through this file as a script,
+``python -I -S parent_death.py PARENT_PID COMMAND...``, which
+
+1. asks Linux to SIGKILL it when its parent ends (``prctl(PR_SET_PDEATHSIG)``, kept across
+   ``execve``),
+2. checks that its parent is still ``PARENT_PID``: a parent that died before step 1 would
+   never signal it (the child has been handed to init), so it exits instead, and
+3. replaces itself with ``COMMAND``: the same pid and parent, the signal still armed.
+
+This does in a fresh process what a ``preexec_fn`` would do between ``fork`` and ``exec``,
+where a supervisor with threads (LocalNetwork reads each child's output on a thread) may
+deadlock on a lock another thread held; it costs one small interpreter start (the standard
+library only, no site packages).
+
+Linux sends the signal when the *thread* that forked the child ends, not the process, so
+only a command started from the main thread is wrapped; from another thread, or elsewhere
+than Linux, the command is returned as it is, and only an orderly stop of the supervisor
+stops its children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+__all__ = ["bound_to_this_process", "guards_children"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def guards_children() -> bool:
+    """Whether :func:`bound_to_this_process` wraps commands here and now."""
+    return sys.platform.startswith("linux") and (
+        threading.current_thread() is threading.main_thread()
+    )
+
+
+def bound_to_this_process(command: Sequence[str]) -> list[str]:
+    """``command``, run so that Linux SIGKILLs it when this process ends (see the module
+    docstring); the command itself where that cannot be done."""
+    if not guards_children():
+        return list(command)
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *command]
+
+
+def _die_with_parent() -> str | None:
+    """Arm the parent-death signal; the reason it could not be, or None."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        return str(exc)
+    return None
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 3 or not argv[1].isdigit():
+        print("usage: parent_death.py PARENT_PID COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    parent, command = int(argv[1]), list(argv[2:])
+    problem = _die_with_parent()
+    if problem is not None:
+        print(f"{command[0]}: will outlive its parent (prctl: {problem})", file=sys.stderr)
+    if os.getppid() != parent:
+        print(f"parent {parent} ended before {command[0]} started; not starting", file=sys.stderr)
+        return 1
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
+    return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
