@@ -50,6 +50,19 @@ class TransportError(P2PTrainError):
     """A network or disk operation failed; the caller may retry or skip."""
 
 
+class StorageFault(TransportError):
+    """Local storage refused a write (the disk is full, read-only, or failing). The node
+    reports it once, backs off and retries, and resumes by itself once writes succeed."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(
+            f"cannot write {path}: {problem}; free disk space there (or make it writable): "
+            "the node retries and resumes by itself"
+        )
+        self.path = path
+        self.problem = problem
+
+
 class InvalidRecord(P2PTrainError, ValueError):
     """A record field breaks its rule (raised while constructing a record).
 

@@ -363,6 +363,10 @@ def describe_status(status: NodeStatus) -> list[str]:
         )
     for error in status.errors[-5:]:
         lines.append(f"error      {error.role}, {error.describe()}")
+    if status.storage is not None:
+        lines.append(
+            f"STORAGE    {status.storage.message} ({status.storage.failures} writes failed)"
+        )
     if status.failed:
         lines.append(f"FAILED     {status.failed}")
     lines += [f"report     {reason}" for reason in status.reasons]

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,8 @@ class PartialBlob:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.close()
-                raise LocalError(
-                    f"no room for the {self.size} bytes of blob {self.blob_id} in "
-                    f"{self.directory}; free some disk space"
+                raise StorageFault(
+                    str(self.directory), f"no room for the {self.size} bytes of blob {self.blob_id}"
                 ) from exc
             os.ftruncate(self.fd, max(self.size, os.fstat(self.fd).st_size))
         return ranges

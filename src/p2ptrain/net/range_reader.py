@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 from p2ptrain.net.client import PeerClient, Refused
 from p2ptrain.net.partial_file import pwrite_all
 from p2ptrain.net.range_answer import (
@@ -242,7 +242,7 @@ class _RangeProtocol(asyncio.BufferedProtocol):
             pwrite_all(exchange.fd, data, exchange.position)
         except OSError as exc:
             blob = exchange.request.blob_id
-            exchange.fail(LocalError(f"cannot write blob {blob} to disk: {exc}; free disk space"))
+            exchange.fail(StorageFault(f"blob {blob}", exc.strerror or str(exc)))
             self._fail_all(None, "was cut off by this side")
             return False
         exchange.position += len(data)

@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 from p2ptrain.net.chunk_plan import ChunkPlan, Piece, Reconciliation, Span
 from p2ptrain.net.client import PeerClient
 from p2ptrain.net.partial_file import (
@@ -437,6 +437,8 @@ class BlobFetcher:
                         reader=reader,
                         ask_ahead=ask_ahead,
                     )
+                except StorageFault:
+                    raise  # our disk, not the provider: the whole fetch fails
                 except TransportError as exc:
                     self._failovers += 1
                     fatal = isinstance(exc, MissingBlob | BadAnswer | TooSlow)
@@ -593,9 +595,7 @@ class BlobFetcher:
                         try:
                             pwrite_all(fd, data, position)
                         except OSError as exc:
-                            raise LocalError(
-                                f"cannot write blob {blob_id} to disk: {exc}; free disk space"
-                            ) from exc
+                            raise StorageFault(f"blob {blob_id}", exc.strerror or str(exc)) from exc
                         position += count
                         landed(count)
                         now = loop.time()
@@ -746,6 +746,8 @@ class BlobFetcher:
                     return
                 try:
                     await self._receive(request, fd, landed, reader)
+                except StorageFault:
+                    raise
                 except TransportError as exc:
                     plan.strike(provider, str(exc), fatal=isinstance(exc, MissingBlob))
                     return

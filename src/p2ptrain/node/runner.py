@@ -140,11 +140,15 @@ class RoleRunner:
         """Record an unexpected exception of ``step`` as its window's error and go on."""
         try:
             yield
-        except (TransportError, ProtocolViolation) as exc:
-            # a network fault (the step is tried again later), or a peer's bad bytes (the
-            # peer is counted against where they were proven bad): not the role's failure
-            logger.warning("%s, %s: %s", self.role, step, exc)
-        except Exception as exc:  # everything the step did not expect
+        except Exception as exc:
+            if self.services.storage.check(f"{self.role}, {step}", exc):
+                return  # the disk refused a write: reported once, tried again later
+            if isinstance(exc, TransportError | ProtocolViolation):
+                # a network fault (the step is tried again later), or a peer's bad bytes (the
+                # peer is counted against where they were proven bad): not the role's failure
+                logger.warning("%s, %s: %s", self.role, step, exc)
+                return
+            # everything the step did not expect
             self.failed(step, self.window if window is None else window, exc)
         else:
             if self.main_step in (None, step):
@@ -234,11 +238,20 @@ class RoleRunner:
 
     def execute(self, effects: Sequence[Effect]) -> None:
         """Carry out ``effects`` in order (the policy put what is kept before what is sent)."""
+        storage = self.services.storage
         for effect in effects:
+            what = type(effect).__name__
             try:
                 self.do(effect)
-            except (TransportError, ProtocolViolation, OSError) as exc:
-                logger.warning("%s: %s failed: %s", self.role, type(effect).__name__, exc)
+            except Exception as exc:
+                if storage.check(f"{self.role}: {what}", exc):
+                    continue
+                if not isinstance(exc, TransportError | ProtocolViolation | OSError):
+                    raise
+                logger.warning("%s: %s failed: %s", self.role, what, exc)
+            else:
+                if isinstance(effect, StoreBlob | StoreRecord | StoreVote):
+                    storage.succeeded()
         self._wake.set()
 
     def do(self, effect: Effect) -> None:
@@ -273,7 +286,8 @@ class RoleRunner:
         try:
             answer = await self._answer(request)
         except TransportError as exc:
-            logger.info("%s: %s", self.role, exc)
+            if not self.services.storage.check(f"{self.role}: {_FETCHING[type(request)]}", exc):
+                logger.info("%s: %s", self.role, exc)
             self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=False))
         except ProtocolViolation as exc:
             # nobody served bytes with the right hash; providers proven wrong were reported

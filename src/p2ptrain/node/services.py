@@ -36,6 +36,7 @@ from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.events import NodeEvent, PeerReported
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.status import PeerReport
+from p2ptrain.node.storage import StorageHealth
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import ACCEPTED, Admission
 from p2ptrain.protocol.role import RoleMachine
@@ -98,6 +99,8 @@ class PeerServices:
         self.admit: Callable[[Signed[Any]], Admission] = lambda _: ACCEPTED
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
+        #: Whether local writes go through (a full disk is reported once, not per write).
+        self.storage = StorageHealth()
         self._catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
         #: address -> (transport faults in a row, when the last was): asked last a while
@@ -198,6 +201,7 @@ class PeerServices:
                 raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
             assert self._fetcher is not None
             await self._fetcher.fetch(blob_id, providers, size=size)
+            self.storage.succeeded()
         return bytes(blobs.get(blob_id))
 
     async def fetch_head_blobs(

@@ -60,10 +60,13 @@ from p2ptrain.node.status import (
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.role import RoleMachine
-from p2ptrain.store.atomic import write_atomically
+from p2ptrain.store.atomic import overwrite_in_place, write_atomically
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["Node"]
+
+#: The status file is padded to whole pages of this size (rewritten in place on a full disk).
+_STATUS_PAGE = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +377,13 @@ class Node:
                     if answer is not None:
                         for runner in self.runners:
                             runner.offer_chain(*answer)
-            except (TransportError, ProtocolViolation) as exc:
-                logger.info("sync: %s", exc)
-            except Exception:  # never the end of the node: the next round tries again
-                logger.exception("sync failed")
+            except Exception as exc:  # never the end of the node: the next round tries again
+                if self.services.storage.check("catching up", exc):
+                    pass
+                elif isinstance(exc, TransportError | ProtocolViolation):
+                    logger.info("sync: %s", exc)
+                else:
+                    logger.exception("sync failed")
             await asyncio.sleep(self.settings.sync_interval_s * (0.75 + rng.random() / 2))
 
     async def _status_forever(self) -> None:
@@ -425,13 +431,26 @@ class Node:
             trainer=trained,
             bytes_sent=bytes_sent,
             pid=os.getpid(),
+            storage=self.services.storage.problem,
         )
 
     def _write_status(self, status: NodeStatus) -> None:
+        """Replace the status file; on a full disk, overwrite it in place (its blocks are
+        held already: the file is padded to whole pages), so the status still says why."""
+        path = self.settings.data_dir / STATUS_FILE
+        data = encode_status(status)
+        data += b" " * (-len(data) % _STATUS_PAGE)
         try:
-            write_atomically(self.settings.data_dir / STATUS_FILE, encode_status(status))
+            write_atomically(path, data)
         except LocalError as exc:
-            logger.warning("%s", exc)
+            if not self.services.storage.check("writing the status", exc):
+                logger.warning("%s", exc)
+            try:
+                overwrite_in_place(path, data)
+            except OSError as again:
+                logger.debug("status %s: %s", path, again)
+        else:
+            self.services.storage.succeeded()
 
     def _answer_status(self, target: str) -> Answer:
         body = encode_status(self.status())

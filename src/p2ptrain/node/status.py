@@ -23,6 +23,7 @@ __all__ = [
     "PeerReport",
     "RoleError",
     "RoleState",
+    "StorageProblem",
     "TrainerWindow",
     "decode_status",
     "encode_status",
@@ -97,6 +98,15 @@ class PeerReport(_Record, frozen=True):
     reason: str
 
 
+class StorageProblem(_Record, frozen=True):
+    """Writes to local storage fail (a full or read-only disk): where, and what to do."""
+
+    path: str
+    message: str
+    since: float  # unix time of the first failure
+    failures: int
+
+
 class NodeStatus(_Record, frozen=True):
     peer_id: str
     roles: tuple[str, ...]
@@ -121,6 +131,8 @@ class NodeStatus(_Record, frozen=True):
     trainer: TrainerWindow | None = None
     bytes_sent: int = 0
     pid: int = 0
+    #: None while writes go through; the problem while the disk refuses them.
+    storage: StorageProblem | None = None
 
     @property
     def reasons(self) -> list[str]:

@@ -6,6 +6,7 @@ is renamed over the target (atomic on POSIX filesystems).
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -26,3 +27,20 @@ def write_atomically(path: Path, data: bytes) -> None:
     except OSError as exc:
         temporary.unlink(missing_ok=True)
         raise LocalError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+def overwrite_in_place(path: Path, data: bytes) -> None:
+    """Write ``data`` over the start of ``path`` when it fits in the file's current size
+    (blocks it holds already: a full disk can still take it), blanking the rest with
+    spaces. Raises OSError when the file is missing or too small."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if len(data) > size:
+            raise OSError(errno.ENOSPC, "the new contents do not fit in place", str(path))
+        view = memoryview(data + b" " * (size - len(data)))
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
+    finally:
+        os.close(fd)
