@@ -600,3 +600,105 @@ def test_the_range_reader_learns_a_new_nonce_and_asks_again() -> None:
     assert fake.authorized == [True, True]  # the first with a nonce the fake calls stale
     assert fake.gets == [f"bytes=0-{MIB - 1}"]  # the second answered
     assert statistics.requests == 2
+
+
+class _Stalling:
+    """A provider that accepts connections and then never answers (``trickle_bps`` None),
+    or answers a range with a valid head and then the right bytes at ``trickle_bps``/s."""
+
+    def __init__(self, trickle_bps: float | None = None, *, data: bytes = b"") -> None:
+        self.trickle_bps = trickle_bps
+        self.data = data
+        self.size = len(data)
+        self.requests = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            while True:
+                request = (await reader.readuntil(b"\r\n\r\n")).decode()
+                self.requests += 1
+                if self.trickle_bps is None:
+                    await asyncio.Event().wait()  # never answers
+                lines = request.split("\r\n")
+                ranges = [line[7:] for line in lines if line.startswith("Range: ")]
+                if ranges:
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")  # the nonce
+            (wanted,) = ranges
+            first, last = map(int, wanted.removeprefix("bytes=").split("-"))
+            writer.write(
+                f"HTTP/1.1 206 Partial Content\r\nContent-Length: {last + 1 - first}\r\n"
+                f"Content-Range: bytes {first}-{last}/{self.size}\r\n\r\n".encode()
+            )
+            for start in range(first, last + 1, 16):  # the right bytes, 16 at a time
+                writer.write(self.data[start : min(start + 16, last + 1)])
+                await writer.drain()
+                await asyncio.sleep(16 / self.trickle_bps)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_a_provider_that_never_answers_costs_the_fetch_less_than_its_probe_timeout(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 4 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 7)
+    (honest,) = spawn_providers({"seed": "honest", "blob": str(path)})
+    hung = _Stalling()
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        async with hung as address:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            result = await fetcher.fetch(blob, [address, honest.address])  # asks the size
+            return address, result, loop.time() - started
+
+    address, result, seconds = with_fetcher(tmp_path / "fetcher", scenario, probe_timeout_s=3.0)
+    print(f"fetched {size} bytes past a hung provider in {seconds:.2f} s")
+    assert hung.requests >= 1  # it was asked, and never answered
+    assert seconds < 2.0, f"the fetch waited {seconds:.2f} s for the hung provider"
+    assert address in result.failed_providers
+    assert stored(tmp_path / "fetcher", blob) == data
+
+
+def test_a_trickling_provider_is_dropped_and_its_range_continues_elsewhere(
+    tmp_path: Path, spawn_providers: Spawn
+) -> None:
+    size = 16 * MIB
+    path, data, blob = seeded_blob(tmp_path, size, SEED + 8)
+    (honest,) = spawn_providers({"seed": "honest", "blob": str(path)})
+    trickler = _Stalling(trickle_bps=16.0, data=data)
+
+    async def scenario(fetcher: BlobFetcher) -> Any:
+        async with trickler as address:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            result = await fetcher.fetch(blob, [address, honest.address], size=size)
+            return address, result, fetcher.statistics(), loop.time() - started
+
+    address, result, statistics, seconds = with_fetcher(
+        tmp_path / "fetcher", scenario, chunk_bytes=4 * MIB
+    )
+    print(f"fetched {size} bytes past a 16 B/s provider in {seconds:.2f} s")
+    assert statistics.slow_providers == 1
+    assert address in result.failed_providers
+    assert seconds < 10.0
+    assert stored(tmp_path / "fetcher", blob) == data

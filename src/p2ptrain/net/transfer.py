@@ -473,16 +473,18 @@ class BlobFetcher:
     ) -> None:
         """:meth:`_receive` under the rate watcher's eye: raises :class:`TooSlow` when it
         dropped the provider."""
-        async with asyncio.timeout(None) as deadline:
-            pace = _Pace(deadline, time.monotonic(), job.received[provider])
-            job.active[provider] = pace
-            try:
+        pace: _Pace | None = None
+        try:
+            async with asyncio.timeout(None) as deadline:
+                pace = _Pace(deadline, time.monotonic(), job.received[provider])
+                job.active[provider] = pace
                 await self._receive(request, job.partial.fd, landed, reader, ask_ahead)
-            except TimeoutError:
-                if not pace.too_slow:
-                    raise
-            finally:
-                job.active.pop(provider, None)
+        except TimeoutError:
+            if pace is None or not pace.too_slow:
+                raise
+        finally:
+            job.active.pop(provider, None)
+        assert pace is not None
         if pace.too_slow:
             self._slow += 1
             raise TooSlow(f"{provider} is too slow: {pace.too_slow}")
