@@ -3,8 +3,12 @@ verdicts, and the summary's arithmetic (hand-computed values)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+
 import pytest
 
+from p2ptrain.bench.chaos import ChaosConfig, RunLog, play_fault
 from p2ptrain.bench.chaos_plan import (
     AFTER_S,
     HOLD_S,
@@ -12,6 +16,7 @@ from p2ptrain.bench.chaos_plan import (
     MAX_FAULTS,
     NODES,
     REFERENCE_BUDGET_S,
+    Fault,
     plan_faults,
     planned_seconds,
 )
@@ -180,7 +185,13 @@ def _fault(kind: str, recovery: float | None, rejoin: float | None = None) -> Fa
 
 def test_the_summary_counts_and_percentiles() -> None:
     outcomes = [
-        RunOutcome(seed=7, wall_s=90, faults=(_fault("kill", 1.0, 2.0), _fault("pause", 3.0))),
+        RunOutcome(
+            seed=7,
+            wall_s=90,
+            faults=(_fault("kill", 1.0, 2.0), _fault("pause", 3.0)),
+            strikes={"socket error: no PONG": 3, "bad bytes": 1},
+            bans=1,
+        ),
         RunOutcome(
             seed=5,
             wall_s=80,
@@ -214,6 +225,8 @@ def test_the_summary_counts_and_percentiles() -> None:
     assert summary["rejoin_seconds_p99"] == pytest.approx(30.13)
     assert summary["faults_not_rejoined"] == 2
     assert summary["faults"] == {"kill": 3, "pause": 2, "partition": 1}
+    assert summary["logged_strikes"] == 4
+    assert summary["logged_bans"] == 1
     assert summary["failing_seeds"] == [5, 6, 8, 9]
     assert summary["netns"] is False
     assert summary["partitions_skipped"] == "needs root"
@@ -244,3 +257,115 @@ def test_the_summary_for_people_names_the_failing_seeds_and_how_to_replay() -> N
     assert "seed 4: data directories and logs in /tmp/run-4" in text
     passing = summarize(outcomes[:1], netns=True, partitions_skipped=None) | {"seed": 3}
     assert summary_lines(passing)[-1] == "failing seeds: none"
+
+
+# -- one fault against a scripted network ---------------------------------------------------
+
+
+class ScriptedNetwork:
+    """A network (:class:`~p2ptrain.bench.chaos.FaultTarget`) that certifies again
+    ``certify_s`` after a heal (None: never) and whose victims are back ``rejoin_s`` after
+    it; waiting takes no time, it only adds up what was waited."""
+
+    def __init__(self, certify_s: float | None, rejoin_s: float | None = 1.0) -> None:
+        self.certify_s = certify_s
+        self.rejoin_s = rejoin_s
+        self.calls: list[str] = []
+        self.healed_at = 0.0
+        self.waited_s = 0.0
+        self.lost_on_restart = ["validator-0 came back at height 1"]
+
+    @property
+    def height(self) -> int:
+        return 7
+
+    def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> bool:
+        self.calls.append(f"pump {timeout_s}")
+        return False
+
+    def _healed(self, call: str) -> None:
+        self.calls.append(call)
+        self.healed_at, self.waited_s = time.monotonic(), 0.0
+
+    def kill(self, names: Sequence[str]) -> None:
+        self.calls.append(f"kill {'+'.join(names)}")
+
+    def restart(self, names: Sequence[str]) -> list[str]:
+        self._healed(f"restart {'+'.join(names)}")
+        return self.lost_on_restart
+
+    def pause(self, names: Sequence[str]) -> None:
+        self.calls.append(f"pause {'+'.join(names)}")
+
+    def resume(self, names: Sequence[str]) -> None:
+        self._healed(f"resume {'+'.join(names)}")
+
+    def cut(self, names: Sequence[str]) -> None:
+        self.calls.append(f"cut {'+'.join(names)}")
+
+    def heal(self) -> None:
+        self._healed("heal")
+
+    def wait_certified_above(self, height: int, timeout_s: float) -> float | None:
+        assert height == 7
+        self.waited_s += timeout_s
+        if self.certify_s is None or self.certify_s > self.waited_s:
+            return None
+        return self.healed_at + self.certify_s
+
+    def wait_rejoined(
+        self, names: Sequence[str], height: int, since: float, timeout_s: float
+    ) -> dict[str, float | None]:
+        at = None if self.rejoin_s is None else self.healed_at + self.rejoin_s
+        return {name: at for name in names}
+
+    def diagnose(self, title: str) -> str:
+        return f"diagnosis: {title}"
+
+
+CONFIG = ChaosConfig(deadline_s=10.0)  # stall after 20 s, give up after 40 s
+
+
+def test_a_fault_strikes_holds_and_heals_in_order() -> None:
+    net, log = ScriptedNetwork(certify_s=2.0), RunLog(seed=1)
+    play_fault(net, Fault("kill", ("validator-0",), after_s=1.5, hold_s=3.0), CONFIG, log)
+    assert net.calls == ["pump 1.5", "kill validator-0", "pump 3.0", "restart validator-0"]
+    assert log.lost == net.lost_on_restart
+    net = ScriptedNetwork(certify_s=2.0)
+    play_fault(net, Fault("pause", ("seed", "trainer-0"), 1.0, 4.0), CONFIG, log)
+    assert net.calls == ["pump 1.0", "pause seed+trainer-0", "pump 4.0", "resume seed+trainer-0"]
+    net = ScriptedNetwork(certify_s=2.0)
+    play_fault(net, Fault("partition", ("reducer-0",), 1.0, 5.0), CONFIG, log)
+    assert net.calls == ["pump 1.0", "cut reducer-0", "pump 5.0", "heal"]
+
+
+def test_a_quick_recovery_is_timed_and_not_a_stall() -> None:
+    log = RunLog(seed=1)
+    outcome = play_fault(ScriptedNetwork(certify_s=5.0, rejoin_s=6.0),
+                         Fault("pause", ("validator-1",), 1.0, 4.0), CONFIG, log)  # fmt: skip
+    assert outcome.recovery_s == pytest.approx(5.0, abs=0.05)
+    assert outcome.rejoin_s == pytest.approx(6.0, abs=0.05)
+    assert not outcome.stalled
+    assert log.diagnoses == []
+
+
+def test_a_late_recovery_is_a_stall_with_a_diagnosis() -> None:
+    log = RunLog(seed=4)
+    fault = Fault("partition", ("validator-0", "validator-1"), 1.0, 30.0)
+    outcome = play_fault(ScriptedNetwork(certify_s=30.0, rejoin_s=None), fault, CONFIG, log)
+    assert outcome.recovery_s == pytest.approx(30.0, abs=0.05)
+    assert outcome.stalled
+    assert outcome.rejoin_s is None
+    assert outcome.note == "not back at height 7: validator-0, validator-1"
+    (diagnosis,) = log.diagnoses
+    assert "seed 4: no head certified within 20 s" in diagnosis
+    assert "partition validator-0+validator-1" in diagnosis
+
+
+def test_no_recovery_at_all_is_a_stall_without_a_time() -> None:
+    log = RunLog(seed=4)
+    outcome = play_fault(ScriptedNetwork(certify_s=None), Fault("kill", ("seed",), 1.0, 2.0),
+                         CONFIG, log)  # fmt: skip
+    assert outcome.recovery_s is None
+    assert outcome.stalled
+    assert len(log.diagnoses) == 1

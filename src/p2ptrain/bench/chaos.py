@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from p2ptrain.bench.chaos_network import ChaosNetwork
 from p2ptrain.bench.chaos_plan import KINDS, NODES, Fault, plan_faults
@@ -44,7 +44,7 @@ from p2ptrain.bench.chaos_stores import read_replica
 from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 from p2ptrain.errors import LocalError
 
-__all__ = ["ChaosConfig", "play_run", "run_chaos_bench"]
+__all__ = ["ChaosConfig", "FaultTarget", "RunLog", "play_fault", "play_run", "run_chaos_bench"]
 
 #: Peer reports kept per run in the details (all are counted in its notes).
 REPORTS_KEPT = 20
@@ -148,7 +148,7 @@ def play_run(
     """Start the network in ``workdir``, play ``faults``, stop it, read the stores."""
     started = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    log = _RunLog(seed)
+    log = RunLog(seed)
     lab = NamespaceLab(NODES) if netns else None
     net = ChaosNetwork(
         workdir,
@@ -172,7 +172,7 @@ def play_run(
 
 
 @dataclass
-class _RunLog:
+class RunLog:
     """What a run saw while it played, before the stores are read."""
 
     seed: int
@@ -187,7 +187,7 @@ def _play(
     net: ChaosNetwork,
     faults: Sequence[Fault],
     config: ChaosConfig,
-    log: _RunLog,
+    log: RunLog,
     progress: Callable[[str], None],
 ) -> None:
     """Launch, wait for the first head, play the faults; a run that cannot go on (a node
@@ -199,7 +199,7 @@ def _play(
                 f"no head certified within {config.first_head_timeout_s:.0f} s of the launch"
             )
         for index, fault in enumerate(faults):
-            outcome = _play_fault(net, fault, config, log)
+            outcome = play_fault(net, fault, config, log)
             log.played.append(outcome)
             progress(f"  {fault.describe()}: {_fault_line(outcome)}")
             if outcome.recovery_s is None:
@@ -210,7 +210,26 @@ def _play(
         log.diagnoses.append(net.diagnose(f"seed {log.seed}: {exc}"))
 
 
-def _play_fault(net: ChaosNetwork, fault: Fault, config: ChaosConfig, log: _RunLog) -> FaultOutcome:
+class FaultTarget(Protocol):
+    """What :func:`play_fault` needs of a network (:class:`ChaosNetwork`, or a test's)."""
+
+    @property
+    def height(self) -> int: ...
+    def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> bool: ...
+    def kill(self, names: Sequence[str]) -> None: ...
+    def restart(self, names: Sequence[str]) -> list[str]: ...
+    def pause(self, names: Sequence[str]) -> None: ...
+    def resume(self, names: Sequence[str]) -> None: ...
+    def cut(self, names: Sequence[str]) -> None: ...
+    def heal(self) -> None: ...
+    def wait_certified_above(self, height: int, timeout_s: float) -> float | None: ...
+    def wait_rejoined(
+        self, names: Sequence[str], height: int, since: float, timeout_s: float
+    ) -> dict[str, float | None]: ...
+    def diagnose(self, title: str) -> str: ...
+
+
+def play_fault(net: FaultTarget, fault: Fault, config: ChaosConfig, log: RunLog) -> FaultOutcome:
     """Strike, hold, heal; time the next certified head, then wait for the victims to be
     back at the network's height (see the module docstring)."""
     net.pump(fault.after_s)
@@ -256,13 +275,14 @@ def _play_fault(net: ChaosNetwork, fault: Fault, config: ChaosConfig, log: _RunL
     return replace(outcome, rejoin_s=round(max(0.0, latest - healed_at), 2))
 
 
-def _verdicts(net: ChaosNetwork, log: _RunLog, workdir: Path, *, wall_s: float) -> RunOutcome:
+def _verdicts(net: ChaosNetwork, log: RunLog, workdir: Path, *, wall_s: float) -> RunOutcome:
     """Read every node's stopped store and judge the run."""
     replicas = [read_replica(name, workdir / name) for name in NODES]
     notes = [*log.notes, *net.notes]
     notes += [f"role failure: {failure}" for failure in net.role_failures]
     if net.reports:
-        notes.append(f"{len(net.reports)} peer report(s) (strikes)")
+        notes.append(f"{len(net.reports)} peer report(s)")
+    strikes, bans = net.logged_strikes()
     return RunOutcome(
         seed=log.seed,
         wall_s=wall_s,
@@ -276,6 +296,8 @@ def _verdicts(net: ChaosNetwork, log: _RunLog, workdir: Path, *, wall_s: float) 
         diagnoses=tuple(log.diagnoses),
         peer_reports=tuple(net.reports[:REPORTS_KEPT]),
         notes=tuple(notes),
+        strikes=dict(strikes.most_common()),
+        bans=bans,
         kept=str(workdir),
     )
 

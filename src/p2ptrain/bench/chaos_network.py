@@ -16,9 +16,10 @@ each node was doing (its ``status.json`` and the tail of its log) when a fault d
 
 from __future__ import annotations
 
+import re
 import signal
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,11 @@ TINY_WORKLOAD: dict[str, Any] = {
     "batch_size": 8,
     "val_blocks": 64,
 }
+#: What the peer book logs for each strike and ban (net/peers.py): a strike for a transport
+#: fault shows only there, not as a ``reported`` event.
+_STRIKE = re.compile(r" WARNING p2ptrain\.net\.peers: peer \S+: (.*) \(strike \d+ of \d+\)$")
+_BAN = re.compile(r" WARNING p2ptrain\.net\.peers: peer \S+ banned for ")
+REASON_CHARS = 120
 INNER_STEPS = 10
 QUORUM = 2
 READY_TIMEOUT_S = 90.0
@@ -339,6 +345,22 @@ class ChaosNetwork:
         except LocalError as exc:
             return f"no status ({exc})"
         return _describe(status)
+
+    def logged_strikes(self) -> tuple[Counter[str], int]:
+        """The strikes the nodes' logs record, by reason (peer ids left out), and the bans."""
+        reasons: Counter[str] = Counter()
+        bans = 0
+        for name in NODES:
+            try:
+                text = self.nodes[name].log.read_text(errors="replace")
+            except (KeyError, OSError):
+                continue
+            for line in text.splitlines():
+                strike = _STRIKE.search(line)
+                if strike is not None:
+                    reasons[strike.group(1)[:REASON_CHARS]] += 1
+                bans += _BAN.search(line) is not None
+        return reasons, bans
 
     def _log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last warnings (or, without any, the last lines) of the node's log."""

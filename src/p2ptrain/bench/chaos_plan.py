@@ -50,7 +50,7 @@ MAX_FAULTS = 5
 REFERENCE_BUDGET_S = 60.0
 #: Seconds each kind holds (at the reference budget): a paused node may outlive the 20 s
 #: WebSocket heartbeat; a partition outlives a window deadline or two.
-HOLD_S = {"kill": (1.0, 8.0), "pause": (3.0, 30.0), "partition": (5.0, 25.0)}
+HOLD_S = {"kill": (1.0, 8.0), "pause": (3.0, 40.0), "partition": (5.0, 35.0)}
 #: Quiet seconds before a fault: a random moment in the windows that follow a recovery.
 AFTER_S = (0.5, 6.0)
 #: How many nodes a partition cuts off (a kill or a pause takes one node, or two).

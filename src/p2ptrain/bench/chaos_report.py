@@ -106,6 +106,9 @@ class RunOutcome:
     #: Peers the nodes reported (struck) during the run: "node: peer reason".
     peer_reports: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: Strikes the nodes logged, by reason (transport faults included), and bans.
+    strikes: Mapping[str, int] = field(default_factory=dict)
+    bans: int = 0
     #: Where the run's data directories and logs were kept (failing runs).
     kept: str | None = None
 
@@ -139,6 +142,8 @@ class RunOutcome:
             "diagnoses": list(self.diagnoses),
             "peer_reports": list(self.peer_reports),
             "notes": list(self.notes),
+            "strikes": dict(self.strikes),
+            "bans": self.bans,
             "kept": self.kept,
         }
 
@@ -239,6 +244,8 @@ def summarize(
         "rejoin_seconds_p99": _rounded(percentile(rejoins, 99)),
         "faults_not_rejoined": sum(1 for run in outcomes for f in run.faults if f.rejoin_s is None),
         "faults": {kind: counts.get(kind, 0) for kind in KINDS},
+        "logged_strikes": sum(sum(run.strikes.values()) for run in outcomes),
+        "logged_bans": sum(run.bans for run in outcomes),
         "failing_seeds": sorted(run.seed for run in outcomes if run.failed),
         "netns": netns,
         "partitions_skipped": partitions_skipped,
@@ -255,6 +262,8 @@ _COUNTS = (
     "broken_runs",
     "unrecovered_faults",
     "faults_not_rejoined",
+    "logged_strikes",
+    "logged_bans",
 )
 
 
