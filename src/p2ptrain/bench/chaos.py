@@ -277,7 +277,7 @@ def play_fault(net: FaultTarget, fault: Fault, config: ChaosConfig, log: RunLog)
 
 def _verdicts(net: ChaosNetwork, log: RunLog, workdir: Path, *, wall_s: float) -> RunOutcome:
     """Read every node's stopped store and judge the run."""
-    replicas = [read_replica(name, workdir / name) for name in NODES]
+    replicas = [read_replica(name, workdir / name) for name in NODES if name in net.started]
     notes = [*log.notes, *net.notes]
     notes += [f"role failure: {failure}" for failure in net.role_failures]
     if net.reports:

@@ -101,6 +101,8 @@ class ChaosNetwork:
         self.crashed: list[tuple[str, str]] = []
         self.notes: list[str] = []
         self.paused: set[str] = set()
+        #: Nodes that were ready at least once (whose data directories hold a store).
+        self.started: set[str] = set()
         self._exited: set[str] = set()
         self._leaving: set[str] = set()
         self._processes: list[NodeProcess] = []
@@ -183,6 +185,7 @@ class ChaosNetwork:
     def _take(self, name: str, event: NodeEvent) -> None:
         if isinstance(event, Ready):
             self.nodes[name].ready = event
+            self.started.add(name)
             if name == "seed":
                 self.network.experiment_id = event.experiment_id
             self.heights[name] = max(self.heights.get(name, 0), event.height)
@@ -293,11 +296,12 @@ class ChaosNetwork:
         notes = []
         self.resume(sorted(self.paused))
         self.heal()
-        running = [n for n in NODES if self.nodes[n].alive()]
+        running = [n for n in NODES if n in self.nodes and self.nodes[n].alive()]
         self._leaving.update(running)
         trainers = [n for n in running if _role(n) == "trainer"]
         others = [n for n in running if _role(n) != "trainer"]
-        self.network.stop(trainers, timeout_s=STOP_TIMEOUT_S)
+        if trainers:  # (LocalNetwork.stop stops every node when given none)
+            self.network.stop(trainers, timeout_s=STOP_TIMEOUT_S)
         target = self.height
         caught_up = self.pump(
             2 * self.deadline_s, until=lambda: all(self.heights.get(n, 0) >= target for n in others)
@@ -306,7 +310,8 @@ class ChaosNetwork:
             behind = [f"{n} at {self.heights.get(n, 0)}" for n in others
                       if self.heights.get(n, 0) < target]  # fmt: skip
             notes.append(f"not at height {target} when stopped: {', '.join(behind)}")
-        self.network.stop(others, timeout_s=STOP_TIMEOUT_S)
+        if others:
+            self.network.stop(others, timeout_s=STOP_TIMEOUT_S)
         for name in running:
             if self.nodes[name].process.returncode == -signal.SIGKILL:
                 notes.append(f"{name} did not stop within {STOP_TIMEOUT_S:.0f} s of SIGINT")
@@ -336,6 +341,8 @@ class ChaosNetwork:
         return "\n".join(lines)
 
     def _status_line(self, name: str) -> str:
+        if name not in self.nodes:
+            return "never started"
         if name in self.paused:
             return "paused"
         if not self.nodes[name].alive():
@@ -366,7 +373,7 @@ class ChaosNetwork:
         """The last warnings (or, without any, the last lines) of the node's log."""
         try:
             text = self.nodes[name].log.read_text(errors="replace")
-        except OSError:
+        except (KeyError, OSError):
             return []
         kept = [line for line in text.splitlines() if line.strip()]
         worse = [line for line in kept if " WARNING " in line or " ERROR " in line]
