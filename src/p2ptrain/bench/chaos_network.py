@@ -370,12 +370,12 @@ class ChaosNetwork:
         return reasons, bans
 
     def _log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> list[str]:
-        """The last warnings (or, without any, the last lines) of the node's log."""
+        """The last warnings (or, without any, the last lines but debug ones) of the log."""
         try:
             text = self.nodes[name].log.read_text(errors="replace")
         except (KeyError, OSError):
             return []
-        kept = [line for line in text.splitlines() if line.strip()]
+        kept = [line for line in text.splitlines() if line.strip() and " DEBUG " not in line]
         worse = [line for line in kept if " WARNING " in line or " ERROR " in line]
         return (worse or kept)[-lines:]
 
