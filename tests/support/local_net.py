@@ -7,7 +7,14 @@ and a wait that fails names what it awaited, with the nodes' heights, the last e
 and the tail of every node's log (``workdir/logs/<name>.log``). A node that exits without
 having been told to (no ``stopped`` event and not killed by the test) fails the wait at once.
 :meth:`Net.close` stops and reaps every process ever started, killed and restarted ones
-included; the :func:`local_net` fixture calls it whether the test passed or not.
+included (paused ones are continued first); the :func:`local_net` fixture calls it whether
+the test passed or not.
+
+A fault held for a while (a pause, a partition) is held with :meth:`Net.watch`, which keeps
+taking the nodes' events meanwhile; a condition on something other than events (a node's
+status over HTTP, a log line) is waited on with :meth:`Net.wait_until`, which checks it
+again every fraction of a second. :meth:`Net.note` adds a line (a random seed, a fault's
+timing) to every failure message.
 
 Set ``P2PTRAIN_TEST_NODE_DEBUG=1`` to run the nodes with ``p2ptrain -v`` (debug logs).
 
@@ -130,6 +137,11 @@ class Net:
         self._listeners: list[Callable[[str, Event], None]] = []
         self._started_at = time.monotonic()
         self.windows: int | None = None
+        #: Arguments every node started from now on gets (``launch(extra_args=...)``).
+        self.extra_args: tuple[str, ...] = ()
+        #: Nodes stopped with SIGSTOP (:meth:`pause`) and not continued yet.
+        self.paused: set[str] = set()
+        self.notes: list[str] = []
 
     # -- the experiment and the nodes -----------------------------------------------------
 
@@ -145,10 +157,12 @@ class Net:
         windows: int | None = None,
         deadline_s: float = DEADLINE_S,
         proposal_s: float = PROPOSAL_S,
+        extra_args: Sequence[str] = (),
     ) -> None:
         """Write the experiment (``max_updates``: ``trainers`` unless given), start every
         node and wait until all are ready. Names: ``seed``, ``reducer-i``, ``validator-i``,
-        ``trainer-i``.
+        ``trainer-i``. ``extra_args`` go to every node started from now on (restarted ones
+        and later newcomers included), e.g. ``["--heartbeat-s", "2"]``.
 
         ``windows``: the trainers stop by themselves once they adopted that height, so no
         window after it fills and the network stays at that height; :meth:`finish` then
@@ -168,6 +182,7 @@ class Net:
             deadline_s=deadline_s,
             proposal_s=proposal_s,
         )
+        self.extra_args = tuple(extra_args)
         # the seed keeps every update and proposal: tests read who trained and proposed what
         self.start("seed", "seed", args=["--experiment-toml", str(path), "--archive"])
         self.wait_ready(["seed"])
@@ -220,9 +235,11 @@ class Net:
     ) -> NodeProcess:
         """Start the node ``name`` (of one role, or several: ``roles[name]`` is then
         ``"trainer+validator"``), or start it again on its data directory once it ended.
-        ``program`` replaces ``python -m p2ptrain``."""
+        ``program`` replaces ``python -m p2ptrain``. The node gets :attr:`extra_args` before
+        ``args``."""
         if name in self.network.nodes and name not in self.exited:
             raise AssertionError(f"{name} is still running; kill or stop it first")
+        args = [*self.extra_args, *args]
         node = self.network.start(name, role, windows=windows, args=args, program=program, env=env)
         self.processes.append(node)
         self.roles[name] = role if isinstance(role, str) else "+".join(role)
@@ -247,6 +264,17 @@ class Net:
         self.killed.add(name)
         self.network.nodes[name].kill()
         self.wait(f"the end of killed {name}'s events", 10, lambda: name in self.exited)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP ``name``: it holds its sockets and answers nothing until :meth:`resume`."""
+        self.check(name not in self.exited, f"{name} has ended; it cannot be paused")
+        self.paused.add(name)
+        self.network.nodes[name].signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        """SIGCONT a node :meth:`pause` stopped."""
+        self.paused.discard(name)
+        self.network.nodes[name].signal(signal.SIGCONT)
 
     def stop(self, names: Sequence[str]) -> None:
         """SIGINT ``names`` (SIGKILL after a while) and take their events to the end."""
@@ -324,6 +352,26 @@ class Net:
         if not until():
             self.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
+    def wait_until(
+        self, what: str, timeout_s: float, until: Callable[[], bool], poll_s: float = 0.25
+    ) -> None:
+        """:meth:`wait` for a condition on more than the events (a status, a log): it is
+        checked again at least every ``poll_s`` seconds, events or not."""
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            for name, event in self.network.next_events(min(poll_s, left), until=until):
+                self._take(name, event)
+
+    def watch(self, seconds: float) -> None:
+        """Take the nodes' events for ``seconds`` (a fault held that long), failing at once
+        if a node exits unbidden."""
+        end = time.monotonic() + seconds
+        for name, event in self.network.next_events(seconds, until=lambda: time.monotonic() >= end):
+            self._take(name, event)
+
     def wait_ready(self, names: Sequence[str], timeout_s: float = READY_TIMEOUT_S) -> None:
         nodes = self.network.nodes
         self.wait(
@@ -365,6 +413,15 @@ class Net:
 
     # -- diagnosis ------------------------------------------------------------------------
 
+    def note(self, line: str) -> None:
+        """Add ``line`` (a random seed, when a fault began) to every failure message."""
+        self.notes.append(line)
+
+    def log(self, name: str) -> list[str]:
+        """The lines of ``name``'s log (every life of it) so far."""
+        path = self.workdir / "logs" / f"{name}.log"
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
+
     def log_tails(self, lines: int = LOG_TAIL_LINES) -> str:
         parts = []
         for log in sorted((self.workdir / "logs").glob("*.log")):
@@ -376,12 +433,33 @@ class Net:
         heights = ", ".join(f"{n}={h}" for n, h in sorted(self.heights.items()))
         running = [n for n in self.roles if n not in self.exited]
         stopped = ", ".join(f"{n} at {h}" for n, h in sorted(self.stopped.items()))
+        notes = "".join(f"{line}\n" for line in self.notes)
+        paused = f"; paused: {', '.join(sorted(self.paused))}" if self.paused else ""
         return (
-            f"heights adopted: {heights}\n"
+            notes + f"heights adopted: {heights}\n"
             f"running: {', '.join(running) or '-'}; stopped: {stopped or '-'}; "
-            f"killed: {', '.join(sorted(self.killed)) or '-'}\n"
-            "last events:\n  " + "\n  ".join(self._recent) + "\n" + self.log_tails()
+            f"killed: {', '.join(sorted(self.killed)) or '-'}{paused}\n"
+            + self._open_windows()
+            + "last events:\n  "
+            + "\n  ".join(self._recent)
+            + "\n"
+            + self.log_tails()
         )
+
+    def _open_windows(self) -> str:
+        """What each running node's status.json says about its open window."""
+        lines = []
+        for name in self.roles:
+            if name in self.exited:
+                continue
+            try:
+                status = self.status(name)
+            except (OSError, ValueError):
+                continue
+            window = status.get("open_window") or {}
+            reason = str(window.get("reason"))[:300]
+            lines.append(f"  {name} at {status.get('height')}: {reason}")
+        return "open windows (status.json):\n" + "\n".join(lines) + "\n" if lines else ""
 
     def fail(self, message: str) -> None:
         raise AssertionError(f"{message}\n{self.diagnosis()}")
@@ -395,6 +473,8 @@ class Net:
 
     def close(self) -> None:
         """SIGINT every node, SIGKILL what is left, reap every process ever started."""
+        for name in list(self.paused):  # a stopped process would not see the SIGINT
+            self.resume(name)
         try:
             self.network.stop(timeout_s=STOP_TIMEOUT_S)
         finally:

@@ -1,0 +1,109 @@
+"""What the liveness tests (``tests/chaos``) measure and check on a :class:`Net`.
+
+* :func:`chaos_rng` -- the test's random choices, seeded and the seed in every failure;
+* :func:`certify` -- wait until nodes advance a number of windows, within a time that says
+  what rate is required, and return how long each took;
+* :func:`accusations` -- the log lines in which other nodes strike or ban a peer;
+* :func:`end_on_one_head` -- stop the training and check that every node ends on one head
+  with the same weights (:func:`~tests.support.local_net.check_one_tip`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+from collections.abc import Sequence
+
+from tests.support.local_net import Net, check_one_tip
+
+__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head"]
+
+#: Set to an integer to replay a chaos test's random choices.
+SEED_ENV = "P2PTRAIN_CHAOS_SEED"
+
+
+def chaos_rng(net: Net) -> random.Random:
+    """The test's random choices; their seed (``$P2PTRAIN_CHAOS_SEED`` or a fresh one) is
+    printed and named in every failure message of ``net``."""
+    seed = int(os.environ.get(SEED_ENV) or secrets.randbits(32))
+    line = f"random seed {seed} (replay with {SEED_ENV}={seed})"
+    print(line)
+    net.note(line)
+    return random.Random(seed)
+
+
+def certify(net: Net, names: Sequence[str], windows: int, allowed_s: float, why: str) -> float:
+    """Time ``windows`` whole windows: from the moment every node of ``names`` adopted the
+    next height above the highest any of them holds now, to the moment every one adopted
+    ``windows`` more. Fail unless they took at most ``allowed_s`` seconds (``why``: the rate
+    that limit stands for, named in the failure); return the seconds they took."""
+    first = max(net.heights.get(n, 0) for n in names) + 1
+    target = first + windows
+
+    def adopted_at(height: int) -> float:
+        """When the last of ``names`` adopted ``height`` (or a later one)."""
+        return max(
+            min(
+                s
+                for s, n, e in net.history
+                if n == name and e["event"] == "adopted" and e["height"] >= height
+            )
+            for name in names
+        )
+
+    what = (
+        f"{', '.join(names)} to adopt heights {first} to {target} ({windows} windows after "
+        f"the first) within {allowed_s:.1f} s: {why}"
+    )
+    # the wait for height ``first`` is not timed, but it counts against the limit
+    net.wait(
+        what,
+        allowed_s * (windows + 1) / windows,
+        lambda: all(net.heights.get(n, 0) >= target for n in names),
+    )
+    took = adopted_at(target) - adopted_at(first)
+    net.check(took <= allowed_s, f"{what}; they took {took:.1f} s")
+    return took
+
+
+def accusations(net: Net, accused: str) -> list[str]:
+    """The lines of the other nodes' logs that strike or ban the node ``accused``."""
+    prefix = net.peer_ids[accused][:16]
+    return [
+        f"{name}: {line.strip()}"
+        for name in net.names()
+        if name != accused
+        for line in net.log(name)
+        if prefix in line and ("strike" in line or "banned" in line)
+    ]
+
+
+def end_on_one_head(net: Net, timeout_s: float) -> int:
+    """Stop the trainers; wait until every other running node adopted the last window any
+    trainer published an update for (no window after it can fill); start the trainers that
+    stopped below it again, to catch up and stop there by themselves; stop the others and
+    check that every node's stored tip is one head, with the same weights. Return its
+    height."""
+    trainers = [n for n in net.names("trainer") if n not in net.exited]
+    net.stop(trainers)
+    others = [n for n in net.roles if n not in net.exited]
+    published = max((int(e["window"]) for e in net.events("published")), default=0)
+    height = max(published, *(net.heights.get(n, 0) for n in others))
+    net.wait(
+        f"{', '.join(others)} to adopt height {height}, the last window the stopped "
+        "trainers published updates for",
+        timeout_s,
+        lambda: all(net.heights.get(n, 0) >= height for n in others),
+    )
+    behind = [n for n in trainers if net.stopped.get(n, 0) < height]
+    for name in behind:
+        net.start(name, "trainer", windows=height)
+    net.wait_exits(behind, timeout_s)
+    net.check(
+        all(net.stopped.get(n) == height for n in behind),
+        f"the restarted trainers should stop at height {height}: {net.stopped}",
+    )
+    net.stop(others)
+    check_one_tip(net, height)
+    return height
