@@ -202,8 +202,10 @@ def _play(
             outcome = play_fault(net, fault, config, log)
             log.played.append(outcome)
             progress(f"  {fault.describe()}: {_fault_line(outcome)}")
+            left = len(faults) - index - 1
             if outcome.recovery_s is None:
-                log.notes.append(f"{len(faults) - index - 1} fault(s) not played: no recovery")
+                if left:
+                    log.notes.append(f"{left} fault(s) not played: the network did not recover")
                 return
     except LocalError as exc:
         log.error = str(exc)
