@@ -68,7 +68,7 @@ class _QuietPeerFaults(logging.Filter):
                 "bad request from %s: %s",
                 (
                     remote,
-                    str(error).strip() or type(error).__name__,
+                    (str(error).strip().splitlines() or [type(error).__name__])[-1][:200],
                 ),
                 None,
             )
