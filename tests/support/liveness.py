@@ -82,7 +82,7 @@ def accusations(net: Net, accused: str) -> list[str]:
 def end_on_one_head(net: Net, timeout_s: float) -> int:
     """Stop the trainers; wait until every other running node adopted the last window any
     trainer published an update for (no window after it can fill); start the trainers that
-    stopped below it again, to catch up and stop there by themselves; stop the others and
+    had not adopted it again, to catch up and stop there by themselves; stop the others and
     check that every node's stored tip is one head, with the same weights. Return its
     height."""
     trainers = [n for n in net.names("trainer") if n not in net.exited]
@@ -96,7 +96,8 @@ def end_on_one_head(net: Net, timeout_s: float) -> int:
         timeout_s,
         lambda: all(net.heights.get(n, 0) >= height for n in others),
     )
-    behind = [n for n in trainers if net.stopped.get(n, 0) < height]
+    # a trainer may stop holding a certified head whose weights it had not fetched yet
+    behind = [n for n in trainers if net.heights.get(n, 0) < height]
     for name in behind:
         net.start(name, "trainer", windows=height)
     net.wait_exits(behind, timeout_s)
