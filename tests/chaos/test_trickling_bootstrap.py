@@ -85,4 +85,5 @@ def test_a_trickling_first_bootstrap_does_not_hold_a_viewer_up(
         f"viewer at height {height} {time.monotonic() - started:.1f} s after it started; "
         f"the trickling endpoint took {trickling.accepted} connections"
     )
+    net.check(trickling.accepted > 0, "the viewer never tried its first bootstrap address")
     end_on_one_head(net, timeout_s=4 * DEADLINE_S)

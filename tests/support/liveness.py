@@ -4,6 +4,7 @@
 * :func:`certify` -- wait until nodes advance a number of windows, within a time that says
   what rate is required, and return how long each took;
 * :func:`accusations` -- the log lines in which other nodes strike or ban a peer;
+* :func:`metrics` -- a serving node's counters (``GET /metrics``, loopback only);
 * :func:`end_on_one_head` -- stop the training and check that every node ends on one head
   with the same weights (:func:`~tests.support.local_net.check_one_tip`).
 """
@@ -13,11 +14,12 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import urllib.request
 from collections.abc import Sequence
 
 from tests.support.local_net import Net, check_one_tip
 
-__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head"]
+__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head", "metrics"]
 
 #: Set to an integer to replay a chaos test's random choices.
 SEED_ENV = "P2PTRAIN_CHAOS_SEED"
@@ -77,6 +79,21 @@ def accusations(net: Net, accused: str) -> list[str]:
         for line in net.log(name)
         if prefix in line and ("strike" in line or "banned" in line)
     ]
+
+
+def metrics(net: Net, name: str) -> dict[str, float]:
+    """The counters the serving node ``name`` answers at ``GET /metrics``, without their
+    ``p2ptrain_`` prefix (``connections_opened``, ``gossip_delivered``, ...)."""
+    address = net.network.nodes[name].address
+    net.check(address is not None, f"{name} serves nothing: it has no metrics")
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key.startswith("p2ptrain_") and value:
+            counters[key.removeprefix("p2ptrain_")] = float(value)
+    return counters
 
 
 def end_on_one_head(net: Net, timeout_s: float) -> int:
