@@ -153,6 +153,12 @@ def test_a_full_disk_stops_a_viewer_for_as_long_as_it_is_full(net: Net) -> None:
     assert address is not None
     net.wait_height("viewer", net.heights["seed"], 4 * DEADLINE_S)
 
+    fine = asked_status(address) or {}
+    net.check(
+        "storage" in fine and fine["storage"] is None,
+        f"the viewer's status should say `storage: null` while its disk is fine: {fine}",
+    )
+
     filler = disk / "filler"
     written = fill(filler)
     full_at = net.heights["seed"]
