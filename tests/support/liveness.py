@@ -23,6 +23,8 @@ __all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head",
 
 #: Set to an integer to replay a chaos test's random choices.
 SEED_ENV = "P2PTRAIN_CHAOS_SEED"
+#: What starting a node again may take on a busy 2-core machine, before it catches up.
+RESTART_S = 30.0
 
 
 def chaos_rng(net: Net) -> random.Random:
@@ -117,7 +119,7 @@ def end_on_one_head(net: Net, timeout_s: float) -> int:
     behind = [n for n in trainers if net.heights.get(n, 0) < height]
     for name in behind:
         net.start(name, "trainer", windows=height)
-    net.wait_exits(behind, timeout_s)
+    net.wait_exits(behind, timeout_s + RESTART_S)
     net.check(
         all(net.stopped.get(n) == height for n in behind),
         f"the restarted trainers should stop at height {height}: {net.stopped}",
