@@ -153,6 +153,8 @@ def test_a_full_disk_stops_a_viewer_for_as_long_as_it_is_full(net: Net) -> None:
     assert address is not None
     net.wait_height("viewer", net.heights["seed"], 4 * DEADLINE_S)
 
+    fine = asked_status(address) or {}  # checked last: what the fault does matters more
+
     filler = disk / "filler"
     written = fill(filler)
     full_at = net.heights["seed"]
@@ -213,4 +215,8 @@ def test_a_full_disk_stops_a_viewer_for_as_long_as_it_is_full(net: Net) -> None:
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nthe viewer's last status: {json.dumps(said)}") from None
+    net.check(
+        "storage" in fine and fine["storage"] is None,
+        f"the viewer's status should say `storage: null` before its disk filled: {fine}",
+    )
     end_on_one_head(net, timeout_s=4 * DEADLINE_S)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head
+from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head, metrics
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -56,6 +56,7 @@ def test_pauses_longer_than_the_heartbeat_are_no_offence(net: Net) -> None:
     others = [n for n in net.names() if n != paused]
     net.wait_height("seed", 1, 60)  # window 1 waits for the slow-starting trainers
     certify(net, net.names(), 1, 30, "everyone in step")
+    opened = metrics(net, paused)["connections_opened"]
 
     for pause in range(1, PAUSES + 1):
         seconds = HEARTBEAT_S * PAUSE_HEARTBEATS * rng.uniform(1.0, 1.25)
@@ -73,6 +74,9 @@ def test_pauses_longer_than_the_heartbeat_are_no_offence(net: Net) -> None:
         # the others went on meanwhile, and go on now
         certify(net, others, 1, 4 * DEADLINE_S, f"the network goes on after pause {pause}")
 
+    # the scenario happened: the pauses cost the validator sockets, which it opened again
+    reopened = metrics(net, paused)["connections_opened"] - opened
+    net.check(reopened > 0, f"{paused} opened no socket after its pauses: none died of them")
     blamed = accusations(net, paused)
     net.check(not blamed, f"{paused} was struck or banned for its pauses:\n" + "\n".join(blamed))
     banning = {n: net.status(n)["banned"] for n in others if net.status(n)["banned"]}

@@ -19,19 +19,21 @@ import pytest
 
 from tests.support.bad_endpoints import Trickling
 from tests.support.liveness import certify, end_on_one_head
-from tests.support.local_net import Net, new_net
+from tests.support.local_net import VERBOSE_ENV, Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 DEADLINE_S = 2.0
 JOIN_S = 10.0
 #: ``python -c`` program: ``p2ptrain ARGS`` with ``--bootstrap FIRST`` before the other
-#: ``--bootstrap`` flags (the harness names the seed itself).
+#: ``--bootstrap`` flags (the harness names the seed itself), and ``-v`` when the harness
+#: runs its nodes with debug logs.
 BOOTSTRAP_FIRST = (
-    "import runpy, sys\n"
+    "import os, runpy, sys\n"
     "first, *args = sys.argv[1:]\n"
     "at = args.index('--bootstrap')\n"
-    "sys.argv = ['p2ptrain', *args[:at], '--bootstrap', first, *args[at:]]\n"
+    f"verbose = ['-v'] if os.environ.get({VERBOSE_ENV!r}) else []\n"
+    "sys.argv = ['p2ptrain', *verbose, *args[:at], '--bootstrap', first, *args[at:]]\n"
     "runpy.run_module('p2ptrain', run_name='__main__', alter_sys=True)\n"
 )
 
@@ -85,4 +87,5 @@ def test_a_trickling_first_bootstrap_does_not_hold_a_viewer_up(
         f"viewer at height {height} {time.monotonic() - started:.1f} s after it started; "
         f"the trickling endpoint took {trickling.accepted} connections"
     )
+    net.check(trickling.accepted > 0, "the viewer never tried its first bootstrap address")
     end_on_one_head(net, timeout_s=4 * DEADLINE_S)

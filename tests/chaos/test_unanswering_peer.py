@@ -157,4 +157,5 @@ def test_an_unanswering_peer_record_keeps_the_certification_rate(
         f"{STRETCH} windows: {without_s:.1f} s without the record, {with_s:.1f} s with it; "
         f"the unanswering socket took {unanswering.accepted} connections"
     )
+    net.check(unanswering.accepted > 0, "nobody tried the unanswering socket: no fault happened")
     end_on_one_head(net, timeout_s=4 * DEADLINE_S)

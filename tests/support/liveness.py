@@ -4,6 +4,7 @@
 * :func:`certify` -- wait until nodes advance a number of windows, within a time that says
   what rate is required, and return how long each took;
 * :func:`accusations` -- the log lines in which other nodes strike or ban a peer;
+* :func:`metrics` -- a serving node's counters (``GET /metrics``, loopback only);
 * :func:`end_on_one_head` -- stop the training and check that every node ends on one head
   with the same weights (:func:`~tests.support.local_net.check_one_tip`).
 """
@@ -13,14 +14,17 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import urllib.request
 from collections.abc import Sequence
 
 from tests.support.local_net import Net, check_one_tip
 
-__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head"]
+__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head", "metrics"]
 
 #: Set to an integer to replay a chaos test's random choices.
 SEED_ENV = "P2PTRAIN_CHAOS_SEED"
+#: What starting a node again may take on a busy 2-core machine, before it catches up.
+RESTART_S = 30.0
 
 
 def chaos_rng(net: Net) -> random.Random:
@@ -79,10 +83,25 @@ def accusations(net: Net, accused: str) -> list[str]:
     ]
 
 
+def metrics(net: Net, name: str) -> dict[str, float]:
+    """The counters the serving node ``name`` answers at ``GET /metrics``, without their
+    ``p2ptrain_`` prefix (``connections_opened``, ``gossip_delivered``, ...)."""
+    address = net.network.nodes[name].address
+    net.check(address is not None, f"{name} serves nothing: it has no metrics")
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key.startswith("p2ptrain_") and value:
+            counters[key.removeprefix("p2ptrain_")] = float(value)
+    return counters
+
+
 def end_on_one_head(net: Net, timeout_s: float) -> int:
     """Stop the trainers; wait until every other running node adopted the last window any
     trainer published an update for (no window after it can fill); start the trainers that
-    stopped below it again, to catch up and stop there by themselves; stop the others and
+    had not adopted it again, to catch up and stop there by themselves; stop the others and
     check that every node's stored tip is one head, with the same weights. Return its
     height."""
     trainers = [n for n in net.names("trainer") if n not in net.exited]
@@ -96,10 +115,11 @@ def end_on_one_head(net: Net, timeout_s: float) -> int:
         timeout_s,
         lambda: all(net.heights.get(n, 0) >= height for n in others),
     )
-    behind = [n for n in trainers if net.stopped.get(n, 0) < height]
+    # a trainer may stop holding a certified head whose weights it had not fetched yet
+    behind = [n for n in trainers if net.heights.get(n, 0) < height]
     for name in behind:
         net.start(name, "trainer", windows=height)
-    net.wait_exits(behind, timeout_s)
+    net.wait_exits(behind, timeout_s + RESTART_S)
     net.check(
         all(net.stopped.get(n) == height for n in behind),
         f"the restarted trainers should stop at height {height}: {net.stopped}",

@@ -54,6 +54,7 @@ from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
 __all__ = [
     "TINY_CONFIG",
+    "VERBOSE_ENV",
     "Net",
     "check_one_tip",
     "genesis_and_tip",
