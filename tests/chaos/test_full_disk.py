@@ -39,10 +39,10 @@ from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
-DEADLINE_S = 2.0
+DEADLINE_S = 4.0
 TMPFS_SIZE = "8m"
 #: Windows the network certifies while the viewer's disk is full.
-FULL_WINDOWS = 3
+FULL_WINDOWS = 2
 #: Log lines that report the storage fault, and how many of them (and of tracebacks) a
 #: viewer may write while its disk stays full.
 FAULT_LINE = re.compile(r"no space|space left|enospc|errno 28|disk (is )?full|storage", re.I)

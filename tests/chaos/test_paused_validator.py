@@ -26,7 +26,7 @@ DEADLINE_S = 2.0
 #: Windows certified in each measured stretch.
 STRETCH = 6
 #: The rate while the validator is paused, as a share of the rate before, at least.
-RATE_KEPT = 0.6
+RATE_KEPT = 0.8
 HEALTHY_STRETCH_S = 60.0
 CATCH_UP_S = 10.0
 
