@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 HEARTBEAT_S = 2.0
 PAUSES = 3
-#: Each pause lasts this many heartbeats, give or take a random quarter.
+#: Each pause lasts this many heartbeats, and up to a random quarter more.
 PAUSE_HEARTBEATS = 3.0
 DEADLINE_S = 2.0
 CATCH_UP_S = 10.0
