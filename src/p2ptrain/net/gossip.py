@@ -124,12 +124,17 @@ class GossipRouter:
 
     # -- messages -------------------------------------------------------------------------
 
-    def publish(self, topic: str, kind: str, data: bytes) -> bool:
-        """Flood our own message. Returns False when it was already seen. Raises
-        ProtocolViolation if it would not pass our own checks (a bug on our side)."""
+    def publish(self, topic: str, kind: str, data: bytes, *, again: bool = False) -> bool:
+        """Flood our own message. Returns False when it was already seen -- unless
+        ``again``: a message sent before (lost to a crash or a partition) goes to every
+        neighbour once more (theirs drop it if they have it). Raises ProtocolViolation if it
+        would not pass our own checks (a bug on our side)."""
         message_id = hashlib.sha256(data).digest()
         if self._seen.seen(message_id, time.monotonic()):
-            return False
+            if not again:
+                return False
+            self._forward(Gossip(topic, kind, data), source=None)
+            return True
         delivered = Delivered(topic, kind, data, _verify(kind, data), from_peer="")
         self._seen.add(message_id, time.monotonic())
         self._published += 1

@@ -513,8 +513,8 @@ class NetNode:
         """Answer ``GET /v1/heads/{experiment}`` from ``chain`` (late joiners catch up)."""
         self.content.chains[chain.experiment_id] = chain
 
-    def publish(self, topic: str, kind: str, data: bytes) -> bool:
-        return self.gossip.publish(topic, kind, data)
+    def publish(self, topic: str, kind: str, data: bytes, *, again: bool = False) -> bool:
+        return self.gossip.publish(topic, kind, data, again=again)
 
     def statistics(self) -> NetNodeStatistics:
         return NetNodeStatistics(

@@ -258,7 +258,7 @@ class RoleRunner:
         """Carry out one effect (the trainer takes its own first)."""
         services = self.services
         if isinstance(effect, Publish):
-            services.publish(effect.kind, effect.record)
+            services.publish(effect.kind, effect.record, again=effect.again)
             self.published(effect)
         elif isinstance(effect, StoreBlob):
             services.store.blobs.put(effect.data)

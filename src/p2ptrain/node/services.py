@@ -100,7 +100,7 @@ class PeerServices:
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         #: Whether local writes go through (a full disk is reported once, not per write).
-        self.storage = StorageHealth()
+        self.storage = StorageHealth(str(store.datadir.path))
         self._catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
         #: address -> (transport faults in a row, when the last was): asked last a while
@@ -126,10 +126,13 @@ class PeerServices:
 
     # -- publishing and records -----------------------------------------------------------
 
-    def publish(self, kind: str, record: Signed[Any] | CertifiedLink) -> None:
-        """Send ``record`` to the peers and to every role of this node."""
+    def publish(
+        self, kind: str, record: Signed[Any] | CertifiedLink, *, again: bool = False
+    ) -> None:
+        """Send ``record`` to the peers and to every role of this node (``again``: it was
+        sent before, and goes to every neighbour once more)."""
         data = encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
-        self.net.publish(self.topic, kind, bytes(data))
+        self.net.publish(self.topic, kind, bytes(data), again=again)
 
     def publish_certificate(self, head: Head, certificate: QuorumCertificate) -> None:
         self.publish(CERTIFICATE_KIND, CertifiedLink(head=head, certificate=certificate))
@@ -277,12 +280,16 @@ class PeerServices:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def fetch_chain(
-        self, height: Callable[[], int], address: str | None = None
+        self,
+        height: Callable[[], int],
+        address: str | None = None,
+        among: Sequence[str] | None = None,
     ) -> CatchUp | None:
-        """Certified heads above ``height()`` from a peer (``address``, or the providers,
-        hedged) and the last one's state; None if nobody has more. One catch-up at a time
-        (a role waits for another's, then asks only for what it still lacks). The links are
-        checked by the machine that receives them, the blobs by hash on arrival."""
+        """Certified heads above ``height()`` from a peer (``address``, or those ``among``,
+        or the providers; hedged) and the last one's state; None if nobody has more. One
+        catch-up at a time (a role waits for another's, then asks only for what it still
+        lacks). The links are checked by the machine that receives them, the blobs by hash
+        on arrival."""
         async with self._catching_up:
             above = height()
 
@@ -296,7 +303,9 @@ class PeerServices:
                 links = [(h, c) for h, c in links if h.height > above]
                 return (links, provider) if links else None
 
-            found = await self.first_answer([address] if address else self.providers(), ask)
+            if address is not None:
+                among = [address]
+            found = await self.first_answer(self.providers() if among is None else among, ask)
             if found is None:
                 return None
             links, provider = found

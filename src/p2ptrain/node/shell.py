@@ -370,9 +370,10 @@ class Node:
             providers = self.services.providers()
             try:
                 if providers:
+                    # two at random, hedged: a hung or trickling one costs a second
                     answer = await self.services.fetch_chain(
                         lambda: min(r.machine.chain.height for r in self.runners),
-                        rng.choice(providers),
+                        among=rng.sample(providers, min(2, len(providers))),
                     )
                     if answer is not None:
                         for runner in self.runners:

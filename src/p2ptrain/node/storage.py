@@ -27,8 +27,11 @@ _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, er
 _SQLITE_DISK_WORDS = ("disk is full", "readonly", "read-only", "disk i/o error")
 
 
-def as_storage_fault(error: BaseException) -> StorageFault | None:
-    """``error`` (or what caused it) as a storage fault, or None if it is something else."""
+def as_storage_fault(
+    error: BaseException, where: str = "the data directory"
+) -> StorageFault | None:
+    """``error`` (or what caused it) as a storage fault, or None if it is something else;
+    ``where`` names the place when the error does not (a write() has no file name)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -36,12 +39,12 @@ def as_storage_fault(error: BaseException) -> StorageFault | None:
         if isinstance(current, StorageFault):
             return current
         if isinstance(current, OSError) and current.errno in _DISK_ERRNOS:
-            path = current.filename if isinstance(current.filename, str) else "the data directory"
+            path = current.filename if isinstance(current.filename, str) else where
             return StorageFault(path, current.strerror or str(current))
         if isinstance(current, sqlite3.OperationalError):
             text = str(current).lower()
             if any(word in text for word in _SQLITE_DISK_WORDS):
-                return StorageFault("the node database (node.db)", str(current))
+                return StorageFault(f"the node database in {where}", str(current))
         current = current.__cause__ or current.__context__
     return None
 
@@ -49,13 +52,14 @@ def as_storage_fault(error: BaseException) -> StorageFault | None:
 class StorageHealth:
     """Whether the node's writes go through; the current problem, reported once."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_dir: str = "the data directory") -> None:
+        self.data_dir = data_dir
         self.problem: StorageProblem | None = None
         self._failures = 0
 
     def check(self, where: str, error: BaseException) -> bool:
         """If ``error`` is a storage fault, record it (logged once) and return True."""
-        fault = as_storage_fault(error)
+        fault = as_storage_fault(error, self.data_dir)
         if fault is None:
             return False
         self._failures += 1

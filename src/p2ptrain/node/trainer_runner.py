@@ -173,7 +173,7 @@ class TrainerRunner(RoleRunner):
             # said again because no proposal named it: it must reach someone this time
             async with asyncio.timeout(_RESEND_WAIT_S):
                 await services.net.wait_connected()
-            services.publish("update", signed)
+            services.publish("update", signed, again=True)
             logger.info(
                 "window %d: update %s sent again", signed.record.window, signed.record_id[:12]
             )

@@ -56,9 +56,11 @@ class SendProposal:
 
 @dataclass(frozen=True, slots=True)
 class SendAttestation:
-    """An attestation for the validators and reducers (whoever gathers q assembles)."""
+    """An attestation for the validators and reducers (whoever gathers q assembles);
+    ``again``: our vote, sent once more because no certificate came of it."""
 
     attestation: Signed[Attestation]
+    again: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -333,7 +333,7 @@ class Participant(Follower):
         if voted is not None:
             if self.is_validator and slot >= len(w.order) and w.resent_in_slot != slot:
                 w.resent_in_slot = slot
-                actions.append(SendAttestation(self._attestation(height, voted)))
+                actions.append(SendAttestation(self._attestation(height, voted), again=True))
             return actions
         limit = min(slot, len(w.order) - 1)  # the last proposer whose slot has opened
         index = -1

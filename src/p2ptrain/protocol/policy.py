@@ -343,7 +343,7 @@ class ParticipantPolicy(RolePolicy):
             return [
                 StoreVote(attestation.height, attestation.head_id),
                 *self._keep_reduction(attestation.head_id),
-                Publish("attestation", action.attestation),
+                Publish("attestation", action.attestation, again=action.again),
             ]
         if isinstance(action, act.SyncWindow):
             # the window may also be stuck because a certificate was lost: ours goes out
@@ -355,7 +355,7 @@ class ParticipantPolicy(RolePolicy):
             tip = machine.chain.tip
             if tip.certificate is not None:
                 link = CertifiedLink(head=tip.head, certificate=tip.certificate)
-                effects.append(Publish("certificate", link))
+                effects.append(Publish("certificate", link, again=True))
             return effects
         if isinstance(action, act.FetchUpdates):
             proposer = peer_id_of(action.peer)
