@@ -34,7 +34,7 @@ from p2ptrain.core.manifests import NetworkManifest
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
-from tests.support.liveness import certify, end_on_one_head
+from tests.support.liveness import certify, end_on_one_head, launch_paced
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -77,16 +77,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     if reason is not None:
         pytest.skip(reason)
     try:
-        net.launch(
-            validators=2,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            max_updates=3,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-        )
+        launch_paced(net, validators=2, deadline_s=DEADLINE_S)
         yield net
     finally:
         try:

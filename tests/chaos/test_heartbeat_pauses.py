@@ -17,7 +17,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head, metrics
+from tests.support.liveness import (
+    accusations,
+    certify,
+    chaos_rng,
+    end_on_one_head,
+    launch_paced,
+    metrics,
+)
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -34,16 +41,8 @@ CATCH_UP_S = 10.0
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     net = new_net(tmp_path_factory.mktemp("heartbeat-pauses"))
     try:
-        net.launch(
-            validators=3,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            max_updates=3,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-            extra_args=["--heartbeat-s", str(HEARTBEAT_S)],
+        launch_paced(
+            net, validators=3, deadline_s=DEADLINE_S, extra_args=["--heartbeat-s", str(HEARTBEAT_S)]
         )
         yield net
     finally:

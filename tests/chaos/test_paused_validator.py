@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head
+from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head, launch_paced
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -35,16 +35,7 @@ CATCH_UP_S = 10.0
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     net = new_net(tmp_path_factory.mktemp("paused-validator"))
     try:
-        net.launch(
-            validators=3,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            max_updates=3,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-        )
+        launch_paced(net, validators=3, deadline_s=DEADLINE_S)
         yield net
     finally:
         net.close()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.liveness import certify, end_on_one_head
+from tests.support.liveness import certify, end_on_one_head, launch_paced
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -31,15 +31,7 @@ DEADLINE_S = 4.0
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     net = new_net(tmp_path_factory.mktemp("seed-restart"))
     try:
-        net.launch(
-            validators=3,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-        )
+        launch_paced(net, validators=3, deadline_s=DEADLINE_S, max_updates=None)
         yield net
     finally:
         net.close()

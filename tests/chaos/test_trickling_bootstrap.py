@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.bad_endpoints import Trickling
-from tests.support.liveness import certify, end_on_one_head
+from tests.support.liveness import certify, end_on_one_head, launch_paced
 from tests.support.local_net import VERBOSE_ENV, Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -42,16 +42,7 @@ BOOTSTRAP_FIRST = (
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     net = new_net(tmp_path_factory.mktemp("trickling-bootstrap"))
     try:
-        net.launch(
-            validators=2,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            max_updates=3,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-        )
+        launch_paced(net, validators=2, deadline_s=DEADLINE_S)
         yield net
     finally:
         net.close()

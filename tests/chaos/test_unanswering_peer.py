@@ -33,7 +33,7 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.node import NetNode, network_topic
 from p2ptrain.store.blobs import BlobStore
 from tests.support.bad_endpoints import Unanswering
-from tests.support.liveness import certify, end_on_one_head
+from tests.support.liveness import certify, end_on_one_head, launch_paced
 from tests.support.local_net import Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -52,16 +52,7 @@ SPREAD_TIMEOUT_S = 20.0
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     net = new_net(tmp_path_factory.mktemp("unanswering-peer"))
     try:
-        net.launch(
-            validators=2,
-            reducers=1,
-            trainers=2,
-            min_updates=2,
-            max_updates=3,
-            quorum=2,
-            deadline_s=DEADLINE_S,
-            proposal_s=1.0,
-        )
+        launch_paced(net, validators=2, deadline_s=DEADLINE_S)
         yield net
     finally:
         net.close()

@@ -19,12 +19,45 @@ from collections.abc import Sequence
 
 from tests.support.local_net import Net, check_one_tip
 
-__all__ = ["SEED_ENV", "accusations", "certify", "chaos_rng", "end_on_one_head", "metrics"]
+__all__ = [
+    "SEED_ENV",
+    "accusations",
+    "certify",
+    "chaos_rng",
+    "end_on_one_head",
+    "launch_paced",
+    "metrics",
+]
 
 #: Set to an integer to replay a chaos test's random choices.
 SEED_ENV = "P2PTRAIN_CHAOS_SEED"
 #: What starting a node again may take on a busy 2-core machine, before it catches up.
 RESTART_S = 30.0
+
+
+def launch_paced(
+    net: Net,
+    *,
+    validators: int,
+    deadline_s: float,
+    max_updates: int | None = 3,
+    extra_args: Sequence[str] = (),
+) -> None:
+    """Launch a seed, a reducer, ``validators`` validators (quorum 2) and two trainers
+    whose windows need both updates (``min_updates=2``) and, with ``max_updates=3``, never
+    fill: every window runs to its deadline, so the certification rate is steady under load
+    and a fault shows as windows that take longer."""
+    net.launch(
+        validators=validators,
+        reducers=1,
+        trainers=2,
+        min_updates=2,
+        max_updates=max_updates,
+        quorum=2,
+        deadline_s=deadline_s,
+        proposal_s=1.0,
+        extra_args=list(extra_args),
+    )
 
 
 def chaos_rng(net: Net) -> random.Random:
