@@ -128,7 +128,7 @@ class Outsider:
                     async with asyncio.timeout(30):
                         await connection.wait_closed()
                 self.closed_because.append(connection.close_reason)
-                self.close_codes.append(connection.ws.close_code)
+                self.close_codes.append(connection.close_code)
 
     async def _subscribed_connection(self, node: NetNode, topic: str) -> PeerConnection:
         async with asyncio.timeout(30):

@@ -69,11 +69,16 @@ class PeerConnection:
         self._room = asyncio.Event()
         self._room.set()
         self._closed = asyncio.Event()
+        self._closing = False
         self._close_done = asyncio.Event()
         now = time.monotonic()
         self._frames = TokenBucket(config.frames_per_s, config.frame_burst, now)
         self._bytes = TokenBucket(config.bytes_per_s, config.byte_burst, now)
         self.close_reason = ""
+        #: The code of the close frame the peer sent (None: it sent none; the socket broke).
+        #: Not ``ws.close_code``: that becomes 1006 when our answering close frame cannot be
+        #: written because the peer dropped the transport right after its own.
+        self.close_code: int | None = None
         self.frames_in = self.frames_out = self.bytes_in = self.bytes_out = 0
 
     @property
@@ -116,9 +121,10 @@ class PeerConnection:
                 self._room.set()
             try:
                 await self.ws.send_bytes(frame)
-            except _SEND_FAILURES:  # the socket broke: nothing left to close cleanly
+            except _SEND_FAILURES:
+                # the socket broke: stop sending; the reading side still drains what arrived
+                # (the peer's close frame and its code) and the socket's task closes it
                 self._closed.set()
-                self._close_done.set()
                 break
             self.frames_out += 1
             self.bytes_out += len(frame)
@@ -128,13 +134,24 @@ class PeerConnection:
         """Incoming binary frames. Raises ProtocolViolation for a text frame, an oversized
         frame, or a peer that floods (see the class docstring); SocketFailed when the socket
         broke (a heartbeat timeout, a reset)."""
-        async for message in self.ws:
+        while True:
+            message = await self.ws.receive()
             if message.type == aiohttp.WSMsgType.BINARY:
                 data: bytes = message.data
             elif message.type == aiohttp.WSMsgType.ERROR:
                 raise SocketFailed(f"socket failed: {self.ws.exception()!r:.120}")
             elif message.type == aiohttp.WSMsgType.TEXT:
                 raise ProtocolViolation("text frames are not part of the protocol")
+            elif message.type == aiohttp.WSMsgType.CLOSE:
+                self.close_code = int(message.data)
+                if message.data not in (1000, 1001):
+                    said = f": {message.extra[:200]}" if message.extra else ""
+                    self.close_reason = (
+                        self.close_reason or f"closed with code {message.data}{said}"
+                    )
+                break
+            elif message.type in (aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+                break
             else:
                 continue
             self.frames_in += 1
@@ -153,28 +170,27 @@ class PeerConnection:
             raise ProtocolViolation("oversized frame")
 
     async def close(self, reason: str, *, code: int = aiohttp.WSCloseCode.OK) -> None:
-        """Say why (a ``Bye``), then close with ``code``. A close already under way (from
-        another task: a ban) is waited for, so that the socket's own task does not end --
-        and drop the transport -- before the peer has the close frame and its code."""
-        if self.closed:
+        """Close with ``code``. A graceful close (1000) says why first (a ``Bye``); a close
+        for misbehaviour sends its close frame at once, its reason in the frame, so that the
+        peer reads the code before anything of its own answers. A close already under way
+        (from another task: a ban) is waited for, so that the socket's own task does not end
+        -- and drop the transport -- before the peer has the close frame and its code."""
+        if self._closing:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_CLOSE_S + 1.0):
                     await self._close_done.wait()
             return
+        self._closing = True
         self.close_reason = reason
         self._closed.set()
         self._ready.set()
         self._room.set()
         try:
+            if not self.ws.closed and code == aiohttp.WSCloseCode.OK:
+                with contextlib.suppress(*_SEND_FAILURES):
+                    await asyncio.wait_for(self.ws.send_bytes(encode_frame(Bye(reason[:500]))), 1.0)
             if not self.ws.closed:
-                with contextlib.suppress(
-                    ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
-                ):
-                    bye = encode_frame(Bye(reason[:500]))
-                    await asyncio.wait_for(self.ws.send_bytes(bye), 1.0)
-                with contextlib.suppress(
-                    ConnectionError, aiohttp.ClientError, RuntimeError, TimeoutError
-                ):
+                with contextlib.suppress(*_SEND_FAILURES):
                     message = reason[:100].encode()
                     await asyncio.wait_for(self.ws.close(code=code, message=message), _CLOSE_S)
         finally:
