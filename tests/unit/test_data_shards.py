@@ -57,6 +57,31 @@ def test_equal_data_gives_equal_manifests_and_different_data_different_ids() -> 
     assert sample_bytes(torch.ones(2)) != sample_bytes(torch.ones(2, dtype=torch.float64))
 
 
+def test_dict_rows_hash_by_sorted_key_and_never_like_tuples() -> None:
+    ids, labels = torch.tensor([5, 6, 7]), torch.tensor([6, 7, -100])
+    row = {"input_ids": ids, "labels": labels}
+    expected = (
+        b"sample dict 2\n"
+        + b"key 9:input_ids\n" + b"int64[3]\n" + ids.numpy().tobytes()
+        + b"key 6:labels\n" + b"int64[3]\n" + labels.numpy().tobytes()
+    )  # fmt: skip
+    assert b"".join(sample_bytes(row)) == expected
+    # the order a dataset builds its dict in does not matter; the values and names do
+    assert sample_bytes({"labels": labels, "input_ids": ids}) == sample_bytes(row)
+    assert sample_bytes({"input_ids": ids, "label": labels}) != sample_bytes(row)
+    assert sample_bytes((ids, labels)) != sample_bytes(row)
+    assert b"".join(sample_bytes((ids, 1))) == (
+        b"sample 2\nint64[3]\n" + ids.numpy().tobytes() + b"int64[]\n" + (1).to_bytes(8, "little")
+    )  # tuples hash as they always did
+    rows = [{"input_ids": ids + i, "n": i} for i in range(6)]
+    first = dataset_manifest(rows, name="rows", samples_per_shard=4)
+    assert first == dataset_manifest(list(rows), name="rows", samples_per_shard=4)
+    with pytest.raises(LocalError, match=r"key 'text'.*remove_columns"):
+        sample_bytes({"input_ids": ids, "text": "hello"}, 3)
+    with pytest.raises(LocalError, match="string keys"):
+        sample_bytes({1: ids})
+
+
 def test_bad_shard_settings_are_local_errors() -> None:
     with pytest.raises(LocalError, match="samples_per_shard"):
         dataset_manifest(Pairs(3), name="pairs", samples_per_shard=0)

@@ -12,17 +12,24 @@ samples of each shard. :func:`lease_indices` turns those parts into dataset indi
 
 Canonical sample bytes
 ----------------------
-A sample is a tensor, a number, or a tuple/list of them (``dataset[i]``). It is hashed as
-``b"sample <number of parts>\n"`` followed, for each part in order, by ``b"<dtype>[<shape>]\n"``
-and its raw little-endian bytes (row-major). Python bools hash as bool tensors, ints as int64
-and floats as float64, so ``(image, label)`` samples hash the same on every machine. A
-shard's ``blob_id`` hashes ``b"p2ptrain/v1/shard\n"`` and then its samples in index order.
+A sample is a tensor, a number, a tuple/list of them, or a dict of them with string keys
+(``dataset[i]``; a ``datasets.Dataset.with_format("torch")`` row is such a dict). A part is
+hashed as ``b"<dtype>[<shape>]\n"`` and its raw little-endian bytes (row-major). A tensor,
+number or tuple/list is hashed as ``b"sample <number of parts>\n"`` followed by its parts in
+order. A dict is hashed as ``b"sample dict <number of keys>\n"`` followed, for each key in
+sorted order (by code point), by ``b"key <n>:"``, the key's ``n`` UTF-8 bytes and ``b"\n"``,
+then its value as a part; so a dict never hashes like a tuple of the same tensors, and the
+order in which a dataset builds its dict does not matter. Python bools hash as bool tensors,
+ints as int64 and floats as float64, so ``(image, label)`` samples hash the same on every
+machine. A shard's ``blob_id`` hashes ``b"p2ptrain/v1/shard\n"`` and then its samples in
+index order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -40,7 +47,7 @@ _SUFFIX_CHARS = 6
 
 class MapDataset(Protocol):
     """What :func:`dataset_manifest` needs: ``len()`` and ``dataset[i]`` (a tensor, a
-    number, or a tuple of them)."""
+    number, a tuple of them, or a dict of them with string keys)."""
 
     def __len__(self) -> int: ...
 
@@ -59,30 +66,56 @@ def number_tensor(value: object) -> torch.Tensor | None:
     return None
 
 
-def _as_tensor(part: object, index: int) -> torch.Tensor:
+def _as_tensor(part: object, index: int, key: str | None = None) -> torch.Tensor:
     if isinstance(part, torch.Tensor):
         return part
     number = number_tensor(part)
     if number is not None:
         return number
+    where = f"sample {index}" if key is None else f"sample {index}, key {key!r:.80},"
     raise LocalError(
-        f"sample {index} holds a {type(part).__name__}; a sharded dataset must return tensors, "
-        "numbers, or tuples of them from __getitem__ (convert it in the dataset)"
+        f"{where} holds a {type(part).__name__}; a sharded dataset must return tensors, "
+        "numbers, or tuples or dicts of them from __getitem__ (convert it in the dataset"
+        + (", or drop that column, e.g. dataset.remove_columns([...]))" if key else ")")
     )
+
+
+def _part_bytes(tensor: torch.Tensor) -> list[bytes]:
+    tensor = tensor.detach().cpu().contiguous()
+    shape = ",".join(str(size) for size in tensor.shape)
+    pieces = [f"{str(tensor.dtype).removeprefix('torch.')}[{shape}]\n".encode()]
+    if tensor.numel():
+        pieces.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return pieces
+
+
+def _dict_bytes(sample: Mapping[object, object], index: int) -> list[bytes]:
+    names: list[str] = []
+    for key in sample:
+        if not isinstance(key, str):
+            raise LocalError(
+                f"sample {index} is a dict with the key {key!r:.80}, which is not a string; "
+                "a sharded dataset's dict rows need string keys (column names)"
+            )
+        names.append(key)
+    pieces = [b"sample dict %d\n" % len(names)]
+    for name in sorted(names):
+        encoded = name.encode()
+        pieces.append(b"key %d:" % len(encoded) + encoded + b"\n")
+        pieces.extend(_part_bytes(_as_tensor(sample[name], index, name)))
+    return pieces
 
 
 def sample_bytes(sample: object, index: int = 0) -> list[bytes]:
     """The canonical byte pieces of one sample (see the module docstring)."""
     if sys.byteorder != "little":
         raise LocalError("p2ptrain hashes datasets on little-endian machines only")
+    if isinstance(sample, Mapping):
+        return _dict_bytes(sample, index)
     parts = list(sample) if isinstance(sample, tuple | list) else [sample]
     pieces = [b"sample %d\n" % len(parts)]
     for part in parts:
-        tensor = _as_tensor(part, index).detach().cpu().contiguous()
-        shape = ",".join(str(size) for size in tensor.shape)
-        pieces.append(f"{str(tensor.dtype).removeprefix('torch.')}[{shape}]\n".encode())
-        if tensor.numel():
-            pieces.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        pieces.extend(_part_bytes(_as_tensor(part, index)))
     return pieces
 
 

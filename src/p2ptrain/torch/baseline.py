@@ -68,7 +68,13 @@ def ddp_equivalent(
         ]
         for k in range(steps):
             batch = [index for plan in plans for index in plan[k]]
-            train_step(model, optimizer, workload.collate(batch), workload.loss_fn)
+            train_step(
+                model,
+                optimizer,
+                workload.collate(batch),
+                batch_loss=workload.batch_loss,
+                autocast_dtype=workload.autocast_dtype,
+            )
     return workload.evaluate_model(model)
 
 

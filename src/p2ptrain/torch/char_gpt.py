@@ -227,4 +227,6 @@ def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
         name=f"shakespeare-chars-{block_size}",
         val_batches=math.ceil(val_blocks / eval_batch_size),
         eval_batch_size=eval_batch_size,
+        language_model=True,
+        vocab=tuple(train.vocab),
     )

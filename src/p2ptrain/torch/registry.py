@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.char_gpt import char_gpt_workload
+from p2ptrain.torch.hf_causal_lm import hf_causal_lm_workload  # imports transformers lazily
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["WorkloadFactory", "known_workloads", "make_workload", "register"]
@@ -18,7 +19,10 @@ __all__ = ["WorkloadFactory", "known_workloads", "make_workload", "register"]
 ConfigValue = str | int | float | bool
 WorkloadFactory = Callable[[Mapping[str, ConfigValue]], Workload]
 
-_FACTORIES: dict[str, WorkloadFactory] = {"char-gpt": char_gpt_workload}
+_FACTORIES: dict[str, WorkloadFactory] = {
+    "char-gpt": char_gpt_workload,
+    "hf-causal-lm": hf_causal_lm_workload,
+}
 
 
 def register(name: str, factory: WorkloadFactory, *, replace: bool = False) -> None:

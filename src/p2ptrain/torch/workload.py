@@ -19,13 +19,21 @@ datasets. The things that make DiLoCo work, and that tests pin down:
   lets :mod:`p2ptrain.torch.baseline` replay exactly the same samples as synchronous data
   parallel training.
 * **Weights are the parameters.** The weights are ``model.named_parameters()`` (float32, on
-  the CPU when returned); buffers are not exchanged, so a workload whose buffers matter
-  (BatchNorm running statistics) must keep them out of the model or accept local buffers.
+  the CPU when returned; a tied parameter once, :meth:`TorchWorkload.tied_parameters` names
+  its aliases); buffers are not exchanged, so a workload whose buffers matter (BatchNorm
+  running statistics) must keep them out of the model or accept local buffers.
+* **Any batch, any device, low precision.** The loss of a batch is ``batch_loss(model,
+  batch)`` (:mod:`.batch_loss`; ``(inputs, targets)`` batches with ``loss_fn`` by default).
+  The model lives on ``device``: a window loads its base weights onto the device once, runs
+  every inner step there and copies the weights back to the CPU once, at the end. A bfloat16
+  or float16 model trains float32 master weights under autocast (:mod:`.placement`).
+* **Mistakes early.** :meth:`TorchWorkload.dry_run` runs one batch forward and backward and
+  words what is wrong (:mod:`.dry_run`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -33,30 +41,56 @@ from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
 from p2ptrain.core.manifests import DatasetManifest
-from p2ptrain.data.shards import MapDataset, dataset_manifest, number_tensor
+from p2ptrain.data.shards import MapDataset, dataset_manifest
 from p2ptrain.errors import LocalError
+from p2ptrain.torch.batch_loss import (
+    CLIP_NORM,
+    BatchLoss,
+    Collate,
+    LossFn,
+    PairLoss,
+    cross_entropy_loss,
+    inner_step,
+    to_device,
+    train_step,
+)
+from p2ptrain.torch.dry_run import check_rows, collate_rows, dry_run_batch
+from p2ptrain.torch.optimizer_state import flatten_optimizer_state, restore_optimizer_state
+from p2ptrain.torch.placement import (
+    autocast_context,
+    keep_master_weights,
+    resolve_device,
+    seeded_rng,
+)
+from p2ptrain.torch.weights import (
+    load_weights,
+    parameter_names,
+    snapshot,
+    state_dict_copies,
+    tied_parameters,
+)
 
 __all__ = [
+    "CLIP_NORM",
     "LOSS_AFTER_STEPS",
+    "BatchLoss",
     "LossFn",
     "TorchWorkload",
     "WindowResult",
     "Workload",
     "cross_entropy_loss",
+    "load_weights",
     "minibatch_plan",
+    "parameter_names",
+    "snapshot",
     "train_step",
 ]
 
 Tensors = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Collate = Callable[[list[Any]], Any]
 
 #: ``loss_after`` is the mean training loss of this many last inner steps (fewer when the
 #: window has fewer steps): one minibatch is too noisy to compare windows by.
 LOSS_AFTER_STEPS = 8
-
-#: Gradients are clipped to this global norm before every inner step.
-CLIP_NORM = 1.0
 
 
 class WindowResult(NamedTuple):
@@ -113,12 +147,6 @@ class Workload(Protocol):
         ...
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` ``[B, T, V]`` against ``targets`` ``[B, T]``, or
-    ``[B, C]`` against ``[B]``."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def minibatch_plan(
     indices: Sequence[int], *, steps: int, batch_size: int, seed: int
 ) -> list[list[int]]:
@@ -137,91 +165,20 @@ def minibatch_plan(
     return [order[k * batch_size : (k + 1) * batch_size] for k in range(steps)]
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to_device(part, device) for part in batch)
-    return batch
-
-
-def _split(batch: Any) -> tuple[Any, torch.Tensor]:
-    if isinstance(batch, tuple | list) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise LocalError(
-        "a training batch must be (inputs, targets); make the dataset return pairs "
-        "or pass a collate_fn that builds them"
-    )
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: LossFn,
-) -> float:
-    """One inner step on a collated ``(inputs, targets)`` batch: forward, backward, clip the
-    global gradient norm to :data:`CLIP_NORM`, step. Returns the loss before the step."""
-    device = next(model.parameters()).device
-    inputs, targets = _split(_to_device(batch, device))
-    loss = loss_fn(model(inputs), targets)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
-    nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-    optimizer.step()
-    return float(loss.detach())
-
-
-def parameter_names(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The model's parameters by name (tied parameters once), checked to be float32."""
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        if param.dtype != torch.float32:
-            raise LocalError(
-                f"parameter {name!r} is {param.dtype}; p2ptrain exchanges float32 weights: "
-                "keep the module in float32 (use autocast for lower-precision compute)"
-            )
-    if not params:
-        raise LocalError("the model has no parameters to train")
-    return params
-
-
-def load_weights(params: Mapping[str, nn.Parameter], weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` into the parameters in place (optimizers keep their references)."""
-    missing, extra = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
-    if missing or extra:
-        raise LocalError(
-            f"weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}; "
-            "the head was made for another model (check the experiment's workload config)"
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            value = weights[name]
-            if value.shape != param.shape:
-                raise LocalError(
-                    f"weight {name!r} has shape {tuple(value.shape)}, the model's is "
-                    f"{tuple(param.shape)}; check the experiment's workload config"
-                )
-            param.copy_(value)
-
-
-def snapshot(params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """Detached float32 CPU contiguous copies of the parameters."""
-    return {
-        name: param.detach().to("cpu", torch.float32, copy=True).contiguous()
-        for name, param in params.items()
-    }
-
-
 class TorchWorkload:
     """A :class:`Workload` over a ``torch.nn.Module``, its inner optimizer and datasets.
 
-    ``train_dataset[i]`` and ``val_dataset[i]`` are samples that ``collate_fn`` (default
-    :func:`torch.utils.data.default_collate`) turns into ``(inputs, targets)``; the loss is
-    ``loss_fn(model(inputs), targets)`` (default :func:`cross_entropy_loss`). The genesis
-    weights are the model's parameters when the workload is built. Evaluation uses
+    ``train_dataset[i]`` and ``val_dataset[i]`` are samples (tensors, numbers, or tuples or
+    dicts of them) that ``collate_fn`` (default :func:`torch.utils.data.default_collate`)
+    batches. The loss of a batch is ``batch_loss(model, batch)`` when given, else the batch
+    is ``(inputs, targets)`` and the loss ``loss_fn(model(inputs), targets)`` (default
+    :func:`cross_entropy_loss`). The model is moved to ``device``; a bfloat16/float16 model is
+    kept as float32 master weights with its forward under autocast (``autocast_dtype``). The
+    genesis weights are the model's parameters when the workload is built. Evaluation uses
     ``val_batches`` batches of ``eval_batch_size`` (default ``batch_size``) samples spread
-    evenly over the validation set.
+    evenly over the validation set. ``language_model`` says the loss is a per-token
+    cross-entropy (evaluators then report perplexity, ``exp(loss)``); ``vocab`` (the string of
+    each token id), when set, lets exports decode token ids.
     """
 
     def __init__(
@@ -238,6 +195,10 @@ class TorchWorkload:
         val_batches: int = 8,
         eval_batch_size: int | None = None,
         collate_fn: Collate | None = None,
+        batch_loss: BatchLoss | None = None,
+        device: torch.device | str = "cpu",
+        language_model: bool = False,
+        vocab: Sequence[str] | None = None,
     ) -> None:
         if batch_size < 1 or val_batches < 1:
             raise LocalError(
@@ -245,16 +206,26 @@ class TorchWorkload:
             )
         if len(val_dataset) < 1:
             raise LocalError("the validation dataset is empty; evaluation needs samples")
-        self.model = model
+        if loss_fn is not None and batch_loss is not None:
+            raise LocalError(
+                "pass loss_fn (for (inputs, targets) batches) or batch_loss (any batch), not both"
+            )
+        self.device = resolve_device(device)
+        self.autocast_dtype = keep_master_weights(model)
+        self.model = model.to(self.device)
         self.optimizer = optimizer
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
         self.name = name
         self.samples_per_shard = samples_per_shard
+        self.language_model = language_model
+        self.vocab: tuple[str, ...] | None = None if vocab is None else tuple(vocab)
         self.loss_fn: LossFn = loss_fn or cross_entropy_loss
+        self.batch_loss: BatchLoss = batch_loss or PairLoss(self.loss_fn)
         self.collate_fn: Collate = collate_fn or default_collate
         self._batch_size = batch_size
         self._params = parameter_names(model)
+        self._tied = tied_parameters(model)
         self._check_optimizer()
         self._initial = snapshot(self._params)
         self._manifest: DatasetManifest | None = None
@@ -275,6 +246,9 @@ class TorchWorkload:
         name: str,
         loss_fn: LossFn | None = None,
         val_batches: int = 8,
+        batch_loss: BatchLoss | None = None,
+        device: torch.device | str = "cpu",
+        language_model: bool = False,
     ) -> TorchWorkload:
         """A workload from the loaders a plain training loop would use: their datasets,
         the train loader's batch size and collate function (sampling is the protocol's)."""
@@ -296,6 +270,9 @@ class TorchWorkload:
             val_batches=val_batches,
             eval_batch_size=val_loader.batch_size,
             collate_fn=train_loader.collate_fn,
+            batch_loss=batch_loss,
+            device=device,
+            language_model=language_model,
         )
 
     def _check_optimizer(self) -> None:
@@ -315,6 +292,18 @@ class TorchWorkload:
     def initial_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in self._initial.items()}
 
+    def tied_parameters(self) -> dict[str, str]:
+        """``{alias: canonical}``: parameter names of the module that are the same tensor as
+        an exchanged weight listed under ``canonical`` (e.g. a tied LM head)."""
+        return dict(self._tied)
+
+    def full_state_dict(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Loads ``weights`` into the model and returns its whole ``state_dict()`` (tied
+        aliases and persistent buffers included) as contiguous CPU tensors that own their
+        storage: what ``model.load_state_dict(..., strict=True)`` and safetensors accept."""
+        load_weights(self._params, weights)
+        return state_dict_copies(self.model)
+
     def dataset_manifest(self) -> DatasetManifest:
         if self._manifest is None:
             self._manifest = dataset_manifest(
@@ -326,6 +315,17 @@ class TorchWorkload:
         source = self.train_dataset if dataset is None else dataset
         return self.collate_fn([source[i] for i in indices])
 
+    def dry_run(self) -> float:
+        """The loss of the first training batch after one forward and backward, checking the
+        rows, the batch, the model's output and the loss; raises :class:`LocalError` saying
+        what to change. Weights and optimizer state are left exactly as they were."""
+        indices = list(range(min(self._batch_size, len(self.train_dataset))))
+        if not indices:
+            raise LocalError("the training dataset is empty; training needs samples")
+        check_rows(self.train_dataset, indices)
+        batch = collate_rows(self.collate, indices)
+        return dry_run_batch(self.model, batch, self.batch_loss, self.autocast_dtype)
+
     def train_window(
         self,
         weights: Mapping[str, torch.Tensor],
@@ -334,17 +334,27 @@ class TorchWorkload:
         steps: int,
         seed: int,
     ) -> WindowResult:
+        """Loads ``weights`` onto the device once, runs the steps there (dropout seeded
+        with ``seed``) and copies the weights back to the CPU once."""
         plan = minibatch_plan(indices, steps=steps, batch_size=self._batch_size, seed=seed)
         load_weights(self._params, weights)
         self.model.train()
-        losses = [
-            train_step(self.model, self.optimizer, self.collate(batch), self.loss_fn)
-            for batch in plan
-        ]
-        tail = losses[-LOSS_AFTER_STEPS:]
+        with seeded_rng(self.device, seed):
+            losses = [
+                inner_step(
+                    self.model,
+                    self.optimizer,
+                    self.collate(batch),
+                    self.batch_loss,
+                    self.autocast_dtype,
+                )
+                for batch in plan
+            ]
+        values: list[float] = torch.stack(losses).tolist()
+        tail = values[-LOSS_AFTER_STEPS:]
         return WindowResult(
             weights=snapshot(self._params),
-            loss_before=losses[0],
+            loss_before=values[0],
             loss_after=sum(tail) / len(tail),
             samples=steps * self._batch_size,
         )
@@ -355,63 +365,32 @@ class TorchWorkload:
         return self.evaluate_model(self.model)
 
     def evaluate_model(self, model: nn.Module) -> float:
-        """Validation loss of ``model`` as it is (eval mode, no gradients)."""
+        """Validation loss of ``model`` as it is (eval mode, no gradients, on its device)."""
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        total, count = 0.0, 0
+        losses: list[torch.Tensor] = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast_context(device, self.autocast_dtype):
                 for batch_indices in self._val_batches:
-                    batch = _to_device(self.collate(batch_indices, self.val_dataset), device)
-                    inputs, targets = _split(batch)
-                    loss = self.loss_fn(model(inputs), targets)
-                    total += float(loss) * len(batch_indices)
-                    count += len(batch_indices)
+                    batch = to_device(self.collate(batch_indices, self.val_dataset), device)
+                    losses.append(self.batch_loss(model, batch).detach().float().reshape(()))
         finally:
             model.train(was_training)
+        total, count = 0.0, 0
+        for value, batch_indices in zip(
+            torch.stack(losses).tolist(), self._val_batches, strict=True
+        ):
+            total += value * len(batch_indices)
+            count += len(batch_indices)
         return total / count
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """``f"{parameter}/{key}"`` for every per-parameter state entry (numbers, such as
         a step count, become 0-d tensors: float64 for floats, int64 for ints)."""
-        name_of = {id(param): name for name, param in self._params.items()}
-        flat: dict[str, torch.Tensor] = {}
-        for param, state in self.optimizer.state.items():
-            name = name_of[id(param)]
-            for key, value in state.items():
-                flat[f"{name}/{key}"] = _state_tensor(name, key, value)
-        return flat
+        return flatten_optimizer_state(self.optimizer, self._params)
 
     def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace the optimizer's per-parameter state with ``tensors`` (from
-        :meth:`optimizer_state`); tensors move to their parameter's device, except 0-d ones
-        (step counts), which PyTorch optimizers keep on the CPU."""
-        grouped: dict[str, dict[str, torch.Tensor]] = {}
-        for flat_name, tensor in tensors.items():
-            name, _, key = flat_name.rpartition("/")
-            if name not in self._params or not key:
-                raise LocalError(
-                    f"optimizer state entry {flat_name!r:.80} names no parameter of the model; "
-                    "the state was saved for another model: start the inner optimizer afresh"
-                )
-            grouped.setdefault(name, {})[key] = tensor
-        self.optimizer.state.clear()
-        for name, entries in grouped.items():
-            param = self._params[name]
-            self.optimizer.state[param] = {
-                key: value.detach().clone() if value.ndim == 0 else value.to(param.device).clone()
-                for key, value in entries.items()
-            }
-
-
-def _state_tensor(name: str, key: str, value: object) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True).contiguous()
-    number = number_tensor(value)
-    if number is not None:
-        return number
-    raise LocalError(
-        f"optimizer state {name}/{key} is a {type(value).__name__}, which cannot be saved as "
-        "a tensor; use an optimizer whose state is tensors and numbers"
-    )
+        :meth:`optimizer_state`), on the parameters' device."""
+        restore_optimizer_state(self.optimizer, self._params, tensors)
