@@ -34,6 +34,7 @@ from p2ptrain.node.events import Exited, HeadAdopted, PeerReported, RoleFailure,
 from p2ptrain.store.datadir import check_not_in_use
 
 if TYPE_CHECKING:
+    from p2ptrain.cli.demo_experiment import DemoExperiment
     from p2ptrain.node.local_network import LocalNetwork
 
 __all__ = ["add_parser", "run_demo"]
@@ -69,21 +70,29 @@ def add_parser(commands: Any) -> None:
     demo.add_argument(
         "--workdir", default="p2ptrain-demo", help="where the nodes keep their data (wiped)"
     )
+    demo.add_argument(
+        "--workload",
+        help="train your own model: path/to/file.py:factory, package.module:factory or a "
+        "built-in/installed workload name (default: the char GPT)",
+    )
+    demo.add_argument(
+        "--experiment-toml",
+        help="your experiment definition (its validators, reducers and quorum are replaced "
+        "by the demo's own; window settings it leaves out are sized for this machine)",
+    )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.add_argument("--no-baseline", action="store_true", help="skip the DDP-equivalent baseline")
     demo.set_defaults(handler=run_demo)
 
 
-def _seconds_per_step(config: dict[str, Any]) -> float:
-    """Time a few inner steps of the demo model on one thread (to size the deadline)."""
+def _seconds_per_step(workload: Any) -> float:
+    """Time a few inner steps of the workload on one thread (to size the deadline)."""
     import torch
 
-    from p2ptrain.torch.char_gpt import char_gpt_workload
-
     torch.set_num_threads(1)
-    workload = char_gpt_workload(config)
     weights = workload.initial_weights()
-    indices = list(range(workload.batch_size * 4))
+    samples = len(workload.train_dataset) if hasattr(workload, "train_dataset") else 4
+    indices = list(range(max(1, min(workload.batch_size * 4, samples))))
     workload.train_window(weights, indices, steps=1, seed=0)
     started = time.perf_counter()
     workload.train_window(weights, indices, steps=3, seed=1)
@@ -93,16 +102,17 @@ def _seconds_per_step(config: dict[str, Any]) -> float:
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from p2ptrain.cli.demo_experiment import demo_experiment
     from p2ptrain.node.local_network import LocalNetwork
-    from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
+    from p2ptrain.torch.registry import make_workload
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
     console = Console(stderr=True)
     workdir = Path(args.workdir).resolve()
     _wipe(workdir)
-    config = dict(DEFAULT_CONFIG)
-    step_s = _seconds_per_step(config)
+    experiment = demo_experiment(args.workload, args.experiment_toml)
+    step_s = _seconds_per_step(make_workload(experiment.code, experiment.config))
     cores = 2
     # trainers share the cores; leave room for a slow window before giving up on a trainer
     train_s = args.inner_steps * step_s * max(1.0, args.trainers / cores)
@@ -119,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
             return _run(
                 network,
                 args,
-                config=config,
+                experiment=experiment,
                 console=console,
                 deadline_s=deadline_s,
                 started=started,
@@ -133,34 +143,42 @@ def _run(
     network: LocalNetwork,
     args: argparse.Namespace,
     *,
-    config: dict[str, Any],
+    experiment: DemoExperiment,
     console: Any,
     deadline_s: float,
     started: float,
 ) -> int:
-    from p2ptrain.node.local_network import experiment_toml
+    from p2ptrain.cli.demo_experiment import demo_toml
     from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+    from p2ptrain.torch.registry import is_reference, reference_name
 
     validators = [network.identity(f"validator-{i}") for i in range(3)]
     reducers = [network.identity("reducer")]
-    toml = experiment_toml(
-        validators=validators,
-        reducers=reducers,
-        quorum=2,
-        workload={"name": "char-gpt", "config": config},
-        inner_steps=args.inner_steps,
-        deadline_s=deadline_s,
-        proposal_s=10.0,
-        min_updates=max(1, args.trainers // 2),
-        max_updates=args.trainers,
-        outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
-        outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
-        inner_lr=float(config["lr"]),
+    defaults = {
+        "study": "demo",
+        "name": "shakespeare" if experiment.built_in_char_gpt else reference_name(experiment.code),
+        "inner_steps": args.inner_steps,
+        "inner_optimizer": {"name": "adamw", "lr": float(experiment.config.get("lr", 1e-3))},
+        "outer_optimizer": {
+            "name": "nesterov",
+            "lr": float(DEMO_DEFAULTS["outer_lr"]),
+            "momentum": float(DEMO_DEFAULTS["outer_momentum"]),
+        },
+        "window": {
+            "deadline_s": deadline_s,
+            "proposal_s": 10.0,
+            "min_updates": max(1, args.trainers // 2),
+            "max_updates": args.trainers,
+        },
+    }
+    toml = demo_toml(
+        experiment, validators=validators, reducers=reducers, quorum=2, defaults=defaults
     )
     path = network.write_experiment(toml)
+    code = ["--workload", experiment.code] if is_reference(experiment.code) else []
     trainers = [f"trainer-{i}" for i in range(args.trainers)]
     try:
-        network.start("seed", "seed", args=["--experiment-toml", str(path)])
+        network.start("seed", "seed", args=["--experiment-toml", str(path), *code])
         network.wait_ready(["seed"])
         others = ["reducer", *(f"validator-{i}" for i in range(3))]
         network.start("reducer", "reducer")
@@ -168,7 +186,7 @@ def _run(
             network.start(f"validator-{i}", "validator")
         network.wait_ready(others)
         for name in trainers:
-            network.start(name, "trainer")
+            network.start(name, "trainer", args=code)
         network.wait_ready(trainers)
         console.print(f"every node is ready: {len(network.nodes)} processes")
         _follow(network, args.windows, console, per_window_s=deadline_s + 60)
@@ -179,7 +197,7 @@ def _run(
     finally:
         network.stop()
     network_s = time.monotonic() - started
-    summary = _summarise(network, trainers, args, config, console=console)
+    summary = _summarise(network, trainers, args, experiment, console=console)
     summary["network_seconds"] = round(network_s, 1)
     summary["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
@@ -292,7 +310,7 @@ def _summarise(
     network: Any,
     trainers: list[str],
     args: argparse.Namespace,
-    config: dict[str, Any],
+    experiment: DemoExperiment,
     *,
     console: Any,
 ) -> dict[str, Any]:
@@ -304,14 +322,18 @@ def _summarise(
     from p2ptrain.node.trainer_runner import window_seed
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
-    from p2ptrain.torch.char_gpt import char_gpt_workload
+    from p2ptrain.torch.registry import make_workload
+
+    def build() -> Any:
+        return make_workload(experiment.code, experiment.config)
 
     seed_dir = network.workdir / "seed"
     checkpoint = network.workdir / "model.safetensors"
     exported = export_checkpoint(seed_dir, checkpoint)
     manifest, experiment_id, height, _head, weights = canonical_weights(seed_dir)
     torch.set_num_threads(2)
-    workload = char_gpt_workload(config)
+    workload = build()
+    genesis_val_loss = workload.evaluate(workload.initial_weights())
     val_loss = workload.evaluate(weights)
     peer_ids = [network.nodes[t].peer_id for t in trainers]
     sent = []
@@ -322,10 +344,13 @@ def _summarise(
     summary: dict[str, Any] = {
         "windows_certified": height,
         "val_loss": round(val_loss, 4),
+        "genesis_val_loss": round(genesis_val_loss, 4),
         "baseline_val_loss": None,
         "bytes_per_trainer": int(sum(sent) / len(sent)),
         "ddp_bytes_per_trainer": ddp_bytes_per_worker(parameters, steps, len(trainers)),
         "checkpoint": exported["checkpoint"],
+        "export_hf": _export_hf(seed_dir, network.workdir / "model-hf", experiment.code),
+        "workload": experiment.code,
         "parameters": parameters,
         "trainers": len(trainers),
         "inner_steps": manifest.inner_steps,
@@ -338,7 +363,7 @@ def _summarise(
             for w in range(1, height + 1)
         ]
         baseline = ddp_equivalent(
-            char_gpt_workload(config),
+            build(),
             windows,
             steps=manifest.inner_steps,
             seed_of=lambda w, t: window_seed(peer_ids[t], w + 1),
@@ -351,12 +376,25 @@ def _summarise(
     return summary
 
 
+def _export_hf(data_dir: Path, out: Path, code: str) -> str | None:
+    """The certified model as a Hugging Face directory, when the workload is a Hugging Face
+    model (None otherwise)."""
+    from p2ptrain.node.export import export_hf, exports_hf
+
+    if not exports_hf(data_dir, code):
+        return None
+    return str(export_hf(data_dir, out, workload=code)["directory"])
+
+
 def _print_summary(summary: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="p2ptrain demo", show_header=False)
     table.add_row("windows certified", str(summary["windows_certified"]))
-    table.add_row("validation loss (canonical)", f"{summary['val_loss']:.4f}")
+    table.add_row(
+        "validation loss (canonical)",
+        f"{summary['val_loss']:.4f}  (at genesis {summary['genesis_val_loss']:.4f})",
+    )
     if summary["baseline_val_loss"] is not None:
         table.add_row(
             "validation loss (DDP-equivalent)",
@@ -368,6 +406,8 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         f"{summary['ddp_bytes_per_trainer'] / 1e6:.1f} MB  ({summary['bytes_ratio']:.0f}x more)",
     )
     table.add_row("checkpoint", summary["checkpoint"])
+    if summary["export_hf"]:
+        table.add_row("Hugging Face export", summary["export_hf"])
     table.add_row("time", f"{summary['seconds']:.0f} s")
     console.print(table)
     sys.stdout.flush()

@@ -60,6 +60,8 @@ _CONFIG_KEYS = {
     "threads",
     "mdns",
     "network_name",
+    "workload",
+    "device",
 }
 
 
@@ -105,7 +107,21 @@ def add_parsers(commands: Any, data_dir: str) -> None:
         "config as JSON beside it.",
     )
     export.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")
-    export.add_argument("--out", default="model.safetensors", help="output file")
+    export.add_argument(
+        "--out",
+        help="output file (plain: default model.safetensors) or directory (hf: default model-hf)",
+    )
+    export.add_argument(
+        "--format",
+        choices=("plain", "hf"),
+        default="plain",
+        help="plain: safetensors + JSON config; hf: a save_pretrained directory that "
+        "AutoModelForCausalLM.from_pretrained loads (config, weights, vocabulary, model card)",
+    )
+    export.add_argument(
+        "--workload",
+        help="the experiment's code, when it is given by reference (path/file.py:factory)",
+    )
     export.add_argument("--json", action="store_true", help="print JSON")
     export.set_defaults(handler=run_export)
 
@@ -156,6 +172,17 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         help="close a gossip socket whose peer has not answered a ping for this long "
         "(default 20; a transport fault, never held against the peer)",
     )
+    parser.add_argument(
+        "--workload",
+        help="your model and data: path/to/file.py:factory or package.module:factory (a "
+        "seed signs it into the experiment; trainers pass the same code to run it)",
+    )
+    if role in ("trainer", None):
+        parser.add_argument(
+            "--device",
+            help="where to train: cpu (default), cuda, cuda:N or mps (validators keep the "
+            "canonical arithmetic on the CPU)",
+        )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
     parser.set_defaults(data_dir_default=data_dir)
 
@@ -252,6 +279,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
         archive=bool(pick("archive", False)),
         heartbeat_s=float(pick("heartbeat_s", 20.0)),
+        workload=pick("workload"),
+        device=str(pick("device", "cpu")),
     )
 
 
@@ -397,9 +426,21 @@ async def _remote_status(address: str, secret: bytes | None) -> NodeStatus:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from p2ptrain.node.export import export_checkpoint
+    from p2ptrain.node.export import export_checkpoint, export_hf
 
-    result = export_checkpoint(Path(args.dir), Path(args.out))
+    if args.format == "hf":
+        result = export_hf(Path(args.dir), Path(args.out or "model-hf"), workload=args.workload)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(
+                f"wrote {result['directory']} (height {result['height']}, head "
+                f"{result['head_id'][:12]}): AutoModelForCausalLM.from_pretrained loads it",
+                file=sys.stderr,
+            )
+        return 0
+    out = Path(args.out or "model.safetensors")
+    result = export_checkpoint(Path(args.dir), out, workload=args.workload)
     if args.json:
         print(json.dumps(result))
     else:

@@ -103,16 +103,30 @@ class NetworkManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What is trained: a registered workload name, its settings and the model schema hash."""
+    """What is trained: a workload name, its settings and the model schema hash.
+
+    ``reference`` is the code a workload given by reference came from, as its author named
+    it (``path/to/file.py:factory``, ``package.module:factory``; empty for built-in and
+    installed workloads): a hint for operators, who pass the same code with ``--workload``.
+    ``config_hash`` hashes the config and the model's own configuration (a Hugging Face
+    ``config``), so that a node whose model is configured differently can say so."""
 
     name: str
     schema_hash: str
     config: Config = {}
+    reference: str = ""
+    config_hash: str = ""
+    #: Samples per inner step (0: not recorded); a trainer must use the same.
+    batch_size: int = 0
 
     def __post_init__(self) -> None:
         rules.check_name("workload.name", self.name)
         rules.check_hex_id("workload.schema_hash", self.schema_hash)
         check_config("workload.config", self.config)
+        rules.check_text("workload.reference", self.reference, 256)
+        if self.config_hash:
+            rules.check_hex_id("workload.config_hash", self.config_hash)
+        rules.check_int("workload.batch_size", self.batch_size, 0, 1 << 24)
 
 
 class ShardInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

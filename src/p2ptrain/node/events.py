@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from p2ptrain.core.records import Head
+
 __all__ = [
     "Attested",
     "Exited",
@@ -23,6 +25,7 @@ __all__ = [
     "Trained",
     "decode_event",
     "encode_event",
+    "update_outcome",
 ]
 
 
@@ -50,6 +53,9 @@ class HeadAdopted(_Event, tag="adopted", frozen=True):
     reason: str
     #: Seconds since the node adopted the previous head (or started).
     seconds: float
+    #: What became of this node's own update for the window (a trainer's): "accepted",
+    #: "rejected: <why>", "left out: <why>"; empty when the node sent none.
+    update: str = ""
 
 
 class Trained(_Event, tag="trained", frozen=True):
@@ -137,3 +143,20 @@ def decode_event(line: bytes | str) -> NodeEvent | None:
     except msgspec.DecodeError:
         return None
     return event
+
+
+def update_outcome(head: Head, update_id: str | None, peer_id: str) -> str:
+    """What became of our update ``update_id`` (None: we sent none) in ``head``'s window:
+    accepted, rejected (the head's quarantine book says why) or left out (on time or not,
+    the window closed without it: late, or the window was full)."""
+    if update_id is None:
+        return ""
+    if update_id in head.accepted:
+        return "accepted"
+    for entry in head.quarantine:
+        if entry.peer_id == peer_id and (entry.strikes or entry.until_window >= head.height):
+            return f"rejected: {entry.reason}"
+    return (
+        f"left out: the window closed with {len(head.accepted)} updates without it "
+        "(it came late, or the window was full)"
+    )

@@ -24,8 +24,15 @@ from p2ptrain.node.persist import NodeStore
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
+from p2ptrain.torch.workload import TorchWorkload, Workload
 
-__all__ = ["canonical_weights", "export_checkpoint"]
+__all__ = [
+    "canonical_weights",
+    "export_checkpoint",
+    "export_hf",
+    "export_workload",
+    "exports_hf",
+]
 
 
 def canonical_weights(
@@ -58,21 +65,28 @@ def canonical_weights(
         return manifest, experiment_id, tip.head.height, tip.head_id, weights
 
 
-def export_checkpoint(data_dir: Path, out: Path) -> dict[str, Any]:
+def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None) -> dict[str, Any]:
+    """The tip as safetensors plus its config. When this machine can build the workload
+    (built in, installed, or ``workload`` given), the file holds the model's whole state
+    dict (tied weights as copies, persistent buffers), so that
+    ``model.load_state_dict(load_file(out), strict=True)`` loads it; else the parameters."""
     manifest, experiment_id, height, head_id, weights = canonical_weights(data_dir)
-    workload = {"name": manifest.workload.name, "config": dict(manifest.workload.config)}
+    built = export_workload(manifest, workload)
+    if isinstance(built, TorchWorkload):
+        weights = built.full_state_dict(weights)
+    described = {"name": manifest.workload.name, "config": dict(manifest.workload.config)}
     metadata = {
         "format": "p2ptrain-checkpoint/1",
         "experiment_id": experiment_id,
         "height": str(height),
         "head_id": head_id,
-        "workload": json.dumps(workload, sort_keys=True),
+        "workload": json.dumps(described, sort_keys=True),
     }
     config = {
         "experiment_id": experiment_id,
         "height": height,
         "head_id": head_id,
-        "workload": workload,
+        "workload": described,
         "study": manifest.study,
         "name": manifest.name,
         "revision": manifest.revision,
@@ -90,6 +104,72 @@ def export_checkpoint(data_dir: Path, out: Path) -> dict[str, Any]:
     return {
         "checkpoint": str(out),
         "config": str(config_path),
+        "experiment_id": experiment_id,
+        "height": height,
+        "head_id": head_id,
+    }
+
+
+def _tip_signers(data_dir: Path, experiment_id: str, head_id: str) -> list[str]:
+    """The public keys (hex) of the validators whose certificate the tip carries."""
+    with DataDir(data_dir) as datadir:
+        for _head, certificate in reversed(NodeStore(datadir).links(experiment_id)):
+            if certificate.head_id == head_id:
+                return [s.validator.hex() for s in certificate.signatures]
+    return []
+
+
+def export_workload(manifest: ExperimentManifest, given: str | None) -> Workload | None:
+    """The experiment's workload when this machine can build it (built in, installed, or
+    the operator's ``given`` reference), else None (an export then holds the parameters
+    only)."""
+    from p2ptrain.node.workload_check import build_workload
+
+    try:
+        return build_workload(manifest, given)
+    except LocalError:
+        if given:
+            raise
+        return None
+
+
+def exports_hf(data_dir: Path, given: str | None = None) -> bool:
+    """Whether the experiment in ``data_dir`` trains a Hugging Face model this machine can
+    build (so ``export_hf`` can write it)."""
+    manifest, *_ = canonical_weights(data_dir)
+    workload = export_workload(manifest, given)
+    model = getattr(workload, "model", None)
+    return model is not None and hasattr(model, "save_pretrained")
+
+
+def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict[str, Any]:
+    """The certified tip as a ``save_pretrained`` directory (config.json, model.safetensors,
+    generation config, the vocabulary, a model card): ``from_pretrained(out)`` loads it."""
+    from p2ptrain.torch.hf_export import write_hf_export
+
+    manifest, experiment_id, height, head_id, weights = canonical_weights(data_dir)
+    built = export_workload(manifest, workload)
+    if not isinstance(built, TorchWorkload):
+        raise LocalError(
+            f"experiment {manifest.name!r} trains {manifest.workload.name!r}, which this "
+            "machine cannot build: pass --workload with the experiment's code to export it "
+            "in the hf format (or export the plain safetensors checkpoint)"
+        )
+    card: dict[str, Any] = {
+        "experiment": f"{manifest.study}/{manifest.name} (revision {manifest.revision})",
+        "experiment_id": experiment_id,
+        "head_id": head_id,
+        "height": height,
+        "certified_by": ", ".join(
+            key[:16] for key in _tip_signers(data_dir, experiment_id, head_id)
+        ),
+        "workload": manifest.workload.reference or manifest.workload.name,
+        "inner_steps": manifest.inner_steps,
+    }
+    paths = write_hf_export(built, weights, out, card)
+    return {
+        "directory": str(out),
+        "files": paths,
         "experiment_id": experiment_id,
         "height": height,
         "head_id": head_id,

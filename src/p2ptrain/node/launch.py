@@ -18,45 +18,18 @@ import signal
 from collections.abc import Callable
 
 from p2ptrain.core.manifests import ExperimentManifest
-from p2ptrain.core.tensors import schema_hash
 from p2ptrain.errors import LocalError
 from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings, prepare
 from p2ptrain.node.shell import Node
 from p2ptrain.node.status import NodeStatus
+from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.kernel_build import ensure_kernel
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["WorkloadSource", "check_workload", "experiment_workload", "run_node", "serve"]
-
-
-def experiment_workload(manifest: ExperimentManifest) -> Workload:
-    """The registered workload the experiment names, checked against the manifest."""
-    from p2ptrain.torch.registry import make_workload
-
-    return check_workload(manifest, make_workload(manifest.workload.name, manifest.workload.config))
-
-
-def check_workload(manifest: ExperimentManifest, workload: Workload) -> Workload:
-    """``workload`` if its model and data are the experiment's: the same parameter schema
-    and the same shards (bytes hashed); else a LocalError saying which differs."""
-    spec = manifest.workload
-    local_schema = schema_hash(workload.initial_weights())
-    if local_schema != spec.schema_hash:
-        raise LocalError(
-            f"the local model has parameter schema {local_schema[:12]}, experiment "
-            f"{manifest.name!r} trains {spec.schema_hash[:12]} ({spec.name!r}): build the same "
-            "model (names, shapes, dtypes) as the experiment's"
-        )
-    if workload.dataset_manifest() != manifest.dataset:
-        raise LocalError(
-            f"the local training data differs from the experiment's dataset "
-            f"{manifest.dataset.name!r} (shard names, sizes or hashes differ): use the same "
-            "dataset, in the same order, with the same samples per shard"
-        )
-    return workload
 
 
 WorkloadSource = Workload | Callable[[ExperimentManifest], Workload]
@@ -78,11 +51,21 @@ async def serve(
         chosen: Workload | None = None
         if "trainer" in settings.roles:
             if workload is None:
-                chosen = experiment_workload(manifest)
-            elif callable(workload):
-                chosen = check_workload(manifest, workload(manifest))
+                built = build_workload(manifest, settings.workload)
             else:
-                chosen = check_workload(manifest, workload)
+                built = workload(manifest) if callable(workload) else workload
+            chosen = check_workload(manifest, built, prepared.genesis)
+            if settings.device != "cpu":
+                place = getattr(chosen, "place", None)
+                if not callable(place):
+                    raise LocalError(
+                        f"--device {settings.device}: this workload ({type(chosen).__name__}) "
+                        "cannot be moved; build it on the device yourself"
+                    )
+                place(settings.device)
+            dry_run = getattr(chosen, "dry_run", None)
+            if callable(dry_run):
+                dry_run()  # a mistake in the model or data fails now, in words
         node = Node(settings, prepared, store, workload=chosen, on_event=on_event)
         if on_node is not None:
             on_node(node)

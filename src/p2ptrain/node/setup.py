@@ -82,6 +82,11 @@ class NodeSettings:
     #: Keep every accepted update and proposal for good (who proposed and trained what);
     #: otherwise a node keeps the records its roles used, for the last certified window.
     archive: bool = False
+    #: The workload's code, when it is not built in or installed: ``path/file.py:factory``
+    #: or ``package.module:factory`` (a seed signs it into the experiment; a trainer runs it).
+    workload: str | None = None
+    #: Where a trainer trains: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
@@ -130,7 +135,9 @@ async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
             )
         restored = _restored(identity, store, known)
         if settings.experiment_toml is not None:
-            _check_definition(settings.experiment_toml, restored, settings.data_dir)
+            _check_definition(
+                settings.experiment_toml, restored, settings.data_dir, settings.workload
+            )
         return restored
     if settings.experiment_toml is not None:
         return _created(settings, identity, store)
@@ -164,14 +171,18 @@ def _read_definition(path: Path) -> str:
         raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
 
 
-def _check_definition(path: Path, restored: Prepared, data_dir: Path) -> None:
+def _check_definition(path: Path, restored: Prepared, data_dir: Path, workload: str | None) -> None:
     """Refuse a seed restarted with a definition other than the experiment it serves: the
     definition, filled in with what the seed computed when it created the experiment, must
     be that experiment to the byte."""
     served = restored.experiment.record
     fill: dict[str, Any] = {
         "network_id": served.network_id,
-        "workload": {"schema_hash": served.workload.schema_hash},
+        "workload": {
+            "schema_hash": served.workload.schema_hash,
+            "batch_size": served.workload.batch_size,
+            "config_hash": served.workload.config_hash,
+        },
         "dataset": msgspec.to_builtins(served.dataset),
         "genesis_weights": served.genesis_weights,
         "lease_size": served.lease_size,
@@ -182,6 +193,7 @@ def _check_definition(path: Path, restored: Prepared, data_dir: Path) -> None:
     )
     try:
         raw = parse_experiment_toml(_read_definition(path))
+        _workload_table(raw, workload, path)
         defined = experiment_from_tables(raw, restored.identity.public_key, fill).id
     except LocalError as exc:
         raise LocalError(
@@ -195,8 +207,35 @@ def _check_definition(path: Path, restored: Prepared, data_dir: Path) -> None:
         )
 
 
+def _workload_table(raw: dict[str, Any], given: str | None, path: Path) -> str:
+    """Normalise the definition's ``[workload]`` in place (a reference in ``name``, or the
+    seed's ``--workload``, becomes ``reference`` with a name made from it) and return the
+    name or reference to build the workload from."""
+    from p2ptrain.torch.registry import is_reference, reference_name
+
+    spec = raw.get("workload", {})
+    if not isinstance(spec, dict):
+        raise LocalError(f"{path}: [workload] must be a table")
+    code = given or spec.get("reference") or spec.get("name")
+    if not isinstance(code, str) or not code:
+        raise LocalError(
+            f'{path}: [workload] needs a name (e.g. name = "char-gpt") or a reference to '
+            'your code (reference = "path/to/file.py:factory"), or pass --workload'
+        )
+    spec = dict(spec)
+    if is_reference(code):
+        spec["reference"] = code
+        if not isinstance(spec.get("name"), str) or is_reference(spec["name"]) or given:
+            spec["name"] = reference_name(code)
+    else:
+        spec["name"] = code
+        spec.pop("reference", None)
+    raw["workload"] = spec
+    return code
+
+
 def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Prepared:
-    from p2ptrain.torch.registry import make_workload
+    from p2ptrain.torch.registry import config_hash, make_workload
 
     assert settings.experiment_toml is not None
     path = settings.experiment_toml
@@ -208,16 +247,23 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     )
     signed_network = seal(identity, network)
     raw = parse_experiment_toml(text)
-    spec = raw.get("workload")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise LocalError(f'{path}: [workload] needs a name (e.g. name = "char-gpt")')
-    workload = make_workload(spec["name"], spec.get("config", {}))
+    code = _workload_table(raw, settings.workload, path)
+    workload = make_workload(code, raw["workload"].get("config", {}))
     genesis = workload.initial_weights()
     genesis_blob = bytes(encode_state_dict(genesis))
     inner_steps = int(raw.get("inner_steps", _MANIFEST_DEFAULTS["inner_steps"]))
+    model_config = getattr(getattr(workload, "model", None), "config", None)
+    to_dict = getattr(model_config, "to_dict", None)
     fill: dict[str, Any] = {
         "network_id": signed_network.record_id,
-        "workload": {"schema_hash": schema_hash(genesis)},
+        "workload": {
+            "schema_hash": schema_hash(genesis),
+            "batch_size": workload.batch_size,
+            "config_hash": config_hash(
+                raw["workload"].get("config", {}),
+                to_dict() if callable(to_dict) else None,
+            ),
+        },
         "dataset": msgspec.to_builtins(workload.dataset_manifest()),
         "genesis_weights": sha256_hex(genesis_blob),
         "lease_size": inner_steps * workload.batch_size,

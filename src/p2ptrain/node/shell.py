@@ -42,7 +42,15 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.net.node import NetNode
-from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, RoleFailure, Stopped
+from p2ptrain.node.events import (
+    HeadAdopted,
+    NodeEvent,
+    Published,
+    Ready,
+    RoleFailure,
+    Stopped,
+    update_outcome,
+)
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.roles import role_runners
@@ -105,6 +113,8 @@ class Node:
         self._stored_height = 0
         self._adopted_height = 0
         self._last_window: LastWindow | None = None
+        #: Our own updates by window (a trainer's), until their window is adopted.
+        self._published: dict[int, str] = {}
         self._window_started = time.monotonic()
         self._failed: RoleFailed | None = None
         roles = set(settings.roles)
@@ -331,8 +341,13 @@ class Node:
                     quarantined=window.quarantined,
                     reason=window.reason,
                     seconds=window.seconds,
+                    update=update_outcome(
+                        head, self._published.pop(head.height, None), self.peer_id
+                    ),
                 )
             )
+            for old in [w for w in self._published if w < head.height]:
+                del self._published[old]
             self._write_status(self.status())
         self._check_target()
 
@@ -479,6 +494,8 @@ class Node:
         return Answer(200, {"Content-Type": "application/msgpack"}, body)
 
     def _emit(self, event: NodeEvent) -> None:
+        if isinstance(event, Published):
+            self._published[event.window] = event.update_id
         if self._on_event is not None:
             self._on_event(event)
         if isinstance(event, RoleFailure):

@@ -275,6 +275,16 @@ class TorchWorkload:
             language_model=language_model,
         )
 
+    def place(self, device: torch.device | str) -> None:
+        """Move the model (and so its training) to ``device``; the optimizer keeps its
+        parameters (they move in place)."""
+        self.device = resolve_device(device)
+        self.model.to(self.device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    state[key] = value.to(self.device)
+
     def _check_optimizer(self) -> None:
         known = {id(p) for p in self._params.values()}
         for group in self.optimizer.param_groups:
