@@ -1,4 +1,4 @@
-"""``p2ptrain node | seed | train | validate | reduce | view | status | export``: nodes.
+"""``p2ptrain node | seed | train | validate | reduce | view | status | export | evaluate``.
 
 ``p2ptrain node --role trainer --role validator ...`` runs one node holding every role it is
 given (one identity, data directory, server and store); ``seed``, ``train``, ``validate``,
@@ -23,6 +23,7 @@ from typing import Any
 
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
+    Evaluated,
     HeadAdopted,
     NodeEvent,
     PeerReported,
@@ -60,7 +61,10 @@ _CONFIG_KEYS = {
     "threads",
     "mdns",
     "network_name",
+    "evaluate",
 }
+#: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
+_EVALUATING = (None, "validator", "viewer")
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -109,6 +113,20 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     export.add_argument("--json", action="store_true", help="print JSON")
     export.set_defaults(handler=run_export)
 
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="evaluate a certified head locally and compare with the evaluators' reports",
+        description="Verify the chain stored in a data directory, evaluate one of its heads "
+        "(default: the tip) on the experiment's validation data with the experiment's "
+        "workload, and print the local loss next to every stored metrics report of that "
+        "head (each evaluator's key, its loss and the difference).",
+    )
+    evaluate.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")
+    evaluate.add_argument("--head", help="the id of a stored certified head (default: the tip)")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    evaluate.add_argument("--json", action="store_true", help="print JSON")
+    evaluate.set_defaults(handler=run_evaluate)
+
 
 def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | None) -> None:
     parser.add_argument("--config", help="TOML file with these settings (flags win)")
@@ -156,6 +174,14 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         help="close a gossip socket whose peer has not answered a ping for this long "
         "(default 20; a transport fault, never held against the peer)",
     )
+    if role in _EVALUATING:
+        parser.add_argument(
+            "--evaluate",
+            action="store_true",
+            default=None,
+            help="evaluate every certified head this node adopts on the validation data and "
+            "publish a signed metrics report (needs the experiment's workload)",
+        )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
     parser.set_defaults(data_dir_default=data_dir)
 
@@ -252,6 +278,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
         archive=bool(pick("archive", False)),
         heartbeat_s=float(pick("heartbeat_s", 20.0)),
+        evaluate=bool(pick("evaluate", False)),
     )
 
 
@@ -309,6 +336,12 @@ def _describe_event(event: NodeEvent) -> str | None:
             f"{event.loss_after:.3f} in {event.seconds:.1f} s, update "
             f"{event.blob_bytes / 1e6:.2f} MB"
         )
+    if isinstance(event, Evaluated):
+        skipped = f", {event.skipped} older head(s) skipped" if event.skipped else ""
+        return (
+            f"{stamp} evaluated head {event.height} ({event.head_id[:12]}): validation loss "
+            f"{event.loss:.4f} on {event.samples} samples{skipped}"
+        )
     if isinstance(event, PeerReported):
         return f"{stamp} [yellow]peer {event.peer[:16]} misbehaved: {event.reason}"
     if isinstance(event, RoleFailure):
@@ -355,6 +388,12 @@ def describe_status(status: NodeStatus) -> list[str]:
     for role in status.role_states:
         failing = f"; {role.failures_in_a_row} failures in a row" if role.failures_in_a_row else ""
         lines.append(f"{role.role:<10} {role.last_reason}{failing}")
+    if status.validation is not None:
+        v = status.validation
+        lines.append(
+            f"val loss   {v.median_loss:.4f} at height {v.height} (head {v.head_id[:12]}; "
+            f"median of {v.reports} report{'s' if v.reports != 1 else ''})"
+        )
     if status.trainer is not None:
         t = status.trainer
         lines.append(
@@ -407,5 +446,32 @@ def run_export(args: argparse.Namespace) -> int:
             f"wrote {result['checkpoint']} (height {result['height']}, head "
             f"{result['head_id'][:12]}) and {result['config']}",
             file=sys.stderr,
+        )
+    return 0
+
+
+# -- evaluate -------------------------------------------------------------------------------
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from p2ptrain.node.export import evaluate_stored_head
+
+    if args.threads < 1:
+        raise LocalError(f"--threads {args.threads}: use 1 or more")
+    result = evaluate_stored_head(Path(args.dir), args.head, threads=args.threads)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"head {result['height']} ({result['head_id'][:16]}): local validation loss "
+        f"{result['loss']:.6f} on {result['samples']} samples"
+    )
+    reports = result["reports"]
+    if not reports:
+        print("no metrics report of this head is stored")
+    for report in reports:
+        print(
+            f"  evaluator {report['evaluator'][:16]}  loss {report['loss']:.6f}  "
+            f"difference {report['difference']:+.2e}"
         )
     return 0

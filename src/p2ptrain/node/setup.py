@@ -82,6 +82,9 @@ class NodeSettings:
     #: Keep every accepted update and proposal for good (who proposed and trained what);
     #: otherwise a node keeps the records its roles used, for the last certified window.
     archive: bool = False
+    #: Evaluate every certified head the node adopts on the experiment's validation data
+    #: and publish a signed metrics report (builds the experiment's workload).
+    evaluate: bool = False
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
