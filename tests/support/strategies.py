@@ -30,6 +30,7 @@ from p2ptrain.core.records import (
     AdmissionCertificate,
     Attestation,
     Head,
+    MetricsReport,
     PeerRecord,
     Proposal,
     QuarantineEntry,
@@ -248,6 +249,19 @@ def admissions(draw: st.DrawFn, issuer: bytes | None = None) -> AdmissionCertifi
     )
 
 
+@st.composite
+def metrics_reports(draw: st.DrawFn, evaluator: bytes | None = None) -> MetricsReport:
+    return MetricsReport(
+        experiment_id=draw(hex_ids),
+        height=draw(st.integers(0, 2**40)),
+        head_id=draw(hex_ids),
+        evaluator=evaluator if evaluator is not None else draw(keys),
+        loss=draw(finite),
+        perplexity=draw(st.none() | st.floats(0.0, 1e300)),
+        samples=draw(st.integers(0, 2**40)),
+    )
+
+
 #: Each signed kind with a strategy that takes the author key.
 AUTHORED = {
     "network": network_manifests,
@@ -257,4 +271,5 @@ AUTHORED = {
     "proposal": proposals,
     "attestation": attestations,
     "admission": admissions,
+    "metrics": metrics_reports,
 }

@@ -1,4 +1,4 @@
-"""``p2ptrain node | seed | train | validate | reduce | view | status | export``: nodes.
+"""``p2ptrain node | seed | train | validate | reduce | view | status | export | evaluate``.
 
 ``p2ptrain node --role trainer --role validator ...`` runs one node holding every role it is
 given (one identity, data directory, server and store); ``seed``, ``train``, ``validate``,
@@ -23,6 +23,7 @@ from typing import Any
 
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
+    Evaluated,
     HeadAdopted,
     NodeEvent,
     PeerReported,
@@ -62,7 +63,10 @@ _CONFIG_KEYS = {
     "network_name",
     "workload",
     "device",
+    "evaluate",
 }
+#: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
+_EVALUATING = (None, "validator", "viewer")
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -125,6 +129,24 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     export.add_argument("--json", action="store_true", help="print JSON")
     export.set_defaults(handler=run_export)
 
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="evaluate a certified head locally and compare with the evaluators' reports",
+        description="Verify the chain stored in a data directory, evaluate one of its heads "
+        "(default: the tip) on the experiment's validation data with the experiment's "
+        "workload, and print the local loss next to every stored metrics report of that "
+        "head (each evaluator's key, its loss and the difference).",
+    )
+    evaluate.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")
+    evaluate.add_argument("--head", help="the id of a stored certified head (default: the tip)")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    evaluate.add_argument(
+        "--workload",
+        help="the experiment's code, when it is given by reference (path/file.py:factory)",
+    )
+    evaluate.add_argument("--json", action="store_true", help="print JSON")
+    evaluate.set_defaults(handler=run_evaluate)
+
 
 def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | None) -> None:
     parser.add_argument("--config", help="TOML file with these settings (flags win)")
@@ -182,6 +204,14 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
             "--device",
             help="where to train: cpu (default), cuda, cuda:N or mps (validators keep the "
             "canonical arithmetic on the CPU)",
+        )
+    if role in _EVALUATING:
+        parser.add_argument(
+            "--evaluate",
+            action="store_true",
+            default=None,
+            help="evaluate every certified head this node adopts on the validation data and "
+            "publish a signed metrics report (needs the experiment's workload)",
         )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
     parser.set_defaults(data_dir_default=data_dir)
@@ -281,6 +311,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         heartbeat_s=float(pick("heartbeat_s", 20.0)),
         workload=pick("workload"),
         device=str(pick("device", "cpu")),
+        evaluate=bool(pick("evaluate", False)),
     )
 
 
@@ -338,6 +369,12 @@ def _describe_event(event: NodeEvent) -> str | None:
             f"{event.loss_after:.3f} in {event.seconds:.1f} s, update "
             f"{event.blob_bytes / 1e6:.2f} MB"
         )
+    if isinstance(event, Evaluated):
+        skipped = f", {event.skipped} older head(s) skipped" if event.skipped else ""
+        return (
+            f"{stamp} evaluated head {event.height} ({event.head_id[:12]}): validation loss "
+            f"{event.loss:.4f} on {event.samples} samples{skipped}"
+        )
     if isinstance(event, PeerReported):
         return f"{stamp} [yellow]peer {event.peer[:16]} misbehaved: {event.reason}"
     if isinstance(event, RoleFailure):
@@ -384,6 +421,12 @@ def describe_status(status: NodeStatus) -> list[str]:
     for role in status.role_states:
         failing = f"; {role.failures_in_a_row} failures in a row" if role.failures_in_a_row else ""
         lines.append(f"{role.role:<10} {role.last_reason}{failing}")
+    if status.validation is not None:
+        v = status.validation
+        lines.append(
+            f"val loss   {v.median_loss:.4f} at height {v.height} (head {v.head_id[:12]}; "
+            f"median of {v.reports} report{'s' if v.reports != 1 else ''})"
+        )
     if status.trainer is not None:
         t = status.trainer
         lines.append(
@@ -448,5 +491,34 @@ def run_export(args: argparse.Namespace) -> int:
             f"wrote {result['checkpoint']} (height {result['height']}, head "
             f"{result['head_id'][:12]}) and {result['config']}",
             file=sys.stderr,
+        )
+    return 0
+
+
+# -- evaluate -------------------------------------------------------------------------------
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from p2ptrain.node.export import evaluate_stored_head
+
+    if args.threads < 1:
+        raise LocalError(f"--threads {args.threads}: use 1 or more")
+    result = evaluate_stored_head(
+        Path(args.dir), args.head, threads=args.threads, workload=args.workload
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"head {result['height']} ({result['head_id'][:16]}): local validation loss "
+        f"{result['loss']:.6f} on {result['samples']} samples"
+    )
+    reports = result["reports"]
+    if not reports:
+        print("no metrics report of this head is stored")
+    for report in reports:
+        print(
+            f"  evaluator {report['evaluator'][:16]}  loss {report['loss']:.6f}  "
+            f"difference {report['difference']:+.2e}"
         )
     return 0

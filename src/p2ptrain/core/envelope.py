@@ -18,7 +18,14 @@ import msgspec
 from p2ptrain.core.encoding import decode, encode, sha256_hex
 from p2ptrain.core.identity import Identity, peer_id_of, verify_signature
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
-from p2ptrain.core.records import AdmissionCertificate, Attestation, PeerRecord, Proposal, Update
+from p2ptrain.core.records import (
+    AdmissionCertificate,
+    Attestation,
+    MetricsReport,
+    PeerRecord,
+    Proposal,
+    Update,
+)
 from p2ptrain.errors import LocalError, ProtocolViolation
 
 R = TypeVar("R")
@@ -48,6 +55,7 @@ KINDS: dict[str, RecordKind] = {
         RecordKind("proposal", Proposal, 64 << 20, lambda r: r.reducer),
         RecordKind("attestation", Attestation, 4 << 10, lambda r: r.validator),
         RecordKind("admission", AdmissionCertificate, 1 << 10, lambda r: r.issuer),
+        RecordKind("metrics", MetricsReport, 1 << 10, lambda r: r.evaluator),
     )
 }
 _KIND_OF_TYPE: dict[type[Any], RecordKind] = {kind.type: kind for kind in KINDS.values()}

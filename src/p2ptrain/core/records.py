@@ -1,4 +1,4 @@
-"""Protocol records (DESIGN §3): peers, updates, proposals, heads, attestations.
+"""Protocol records (DESIGN §3): peers, updates, proposals, heads, attestations, metrics.
 
 Every record is a frozen msgspec Struct that validates itself on construction and on decode.
 Sequences that are sets (accepted update ids, roles, ...) are stored sorted, so one set has
@@ -21,6 +21,10 @@ MAX_ADDRESSES = 16
 MAX_UPDATES_PER_WINDOW = 1_000_000
 MAX_LEASE_SHARDS = 4096
 MAX_QUARANTINE_ENTRIES = 100_000
+#: Bounds of a metrics report's numbers: a loss beyond these is a broken evaluation.
+MAX_REPORTED_LOSS = 1e9
+MAX_REPORTED_PERPLEXITY = 1e300
+MAX_REPORTED_SAMPLES = 1 << 40
 
 
 class PeerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -234,3 +238,39 @@ class AdmissionCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unk
         rules.check_public_key("subject", self.subject)
         rules.check_public_key("issuer", self.issuer)
         rules.check_int("not_after_ms", self.not_after_ms, 0)
+
+
+class MetricsReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An evaluator's validation result for one certified head.
+
+    Signed by ``evaluator``. An evaluation is not bit-reproducible, so a report never enters
+    a head id: it travels beside the chain. ``loss`` is the mean validation loss,
+    ``perplexity`` its exponential for a language model (None otherwise), ``samples`` the
+    number of validation samples evaluated (0: the workload does not say).
+    """
+
+    experiment_id: str
+    height: int
+    head_id: str
+    evaluator: bytes
+    loss: float
+    perplexity: float | None
+    samples: int
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("experiment_id", self.experiment_id)
+        rules.check_int("height", self.height, 0)
+        rules.check_hex_id("head_id", self.head_id)
+        rules.check_public_key("evaluator", self.evaluator)
+        rules.check_float("loss", self.loss, -MAX_REPORTED_LOSS, MAX_REPORTED_LOSS)
+        if self.perplexity is not None:
+            rules.check_float("perplexity", self.perplexity, 0.0, MAX_REPORTED_PERPLEXITY)
+        rules.check_int("samples", self.samples, 0, MAX_REPORTED_SAMPLES)
+
+    @property
+    def id(self) -> str:
+        return record_id(self)
+
+    @property
+    def evaluator_id(self) -> str:
+        return peer_id_of(self.evaluator)

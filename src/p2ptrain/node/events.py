@@ -14,6 +14,7 @@ from p2ptrain.core.records import Head
 
 __all__ = [
     "Attested",
+    "Evaluated",
     "Exited",
     "HeadAdopted",
     "NodeEvent",
@@ -83,6 +84,20 @@ class Attested(_Event, tag="attested", frozen=True):
     head_id: str
 
 
+class Evaluated(_Event, tag="evaluated", frozen=True):
+    """This node evaluated the certified head ``head_id`` at ``height`` on the validation
+    data and published its signed metrics report (``skipped``: older heads adopted while it
+    evaluated, left out to catch up)."""
+
+    height: int
+    head_id: str
+    loss: float
+    perplexity: float | None
+    samples: int
+    seconds: float
+    skipped: int = 0
+
+
 class PeerReported(_Event, tag="reported", frozen=True):
     """A peer sent something proven bad (counted against it)."""
 
@@ -122,6 +137,7 @@ NodeEvent = (
     | Trained
     | Published
     | Attested
+    | Evaluated
     | PeerReported
     | RoleFailure
     | Stopped

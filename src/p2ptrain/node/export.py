@@ -3,7 +3,11 @@
 The chain is verified again from genesis before its tip is written out, so an export is
 exactly what the validators certified. The weights go to a safetensors file whose metadata
 names the experiment, height, head id and workload; the workload's name and config, the
-experiment's training settings and the same ids go to a JSON file beside it.
+experiment's training settings, the same ids and the median validation loss evaluators
+reported for the head go to a JSON file beside it.
+
+:func:`evaluate_stored_head` (``p2ptrain evaluate``) evaluates one verified head locally
+and sets the loss beside the metrics reports stored for it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
-from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.persist import NodeStore, median_val_loss
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
@@ -28,6 +32,7 @@ from p2ptrain.torch.workload import TorchWorkload, Workload
 
 __all__ = [
     "canonical_weights",
+    "evaluate_stored_head",
     "export_checkpoint",
     "export_hf",
     "export_workload",
@@ -36,9 +41,10 @@ __all__ = [
 
 
 def canonical_weights(
-    data_dir: Path,
+    data_dir: Path, head_id: str | None = None
 ) -> tuple[ExperimentManifest, str, int, str, dict[str, torch.Tensor]]:
-    """(manifest, experiment id, height, head id, weights) of the verified tip."""
+    """(manifest, experiment id, height, head id, weights) of the verified tip, or of the
+    head ``head_id`` of the verified stored chain (a LocalError if it holds no such head)."""
     if not (data_dir / "node.db").exists():
         raise LocalError(f"{data_dir} is not a node's data directory (no node.db)")
     with DataDir(data_dir) as datadir:
@@ -57,6 +63,19 @@ def canonical_weights(
             if not verdict:
                 raise LocalError(f"the stored chain does not verify: {verdict.reason}")
         tip = chain.tip
+        if head_id is not None:
+            found = next(
+                (link for h in range(chain.height + 1) if (link := chain.at(h)) is not None
+                 and link.head_id == head_id),
+                None,
+            )  # fmt: skip
+            if found is None:
+                raise LocalError(
+                    f"{data_dir} holds no certified head {head_id[:64]!r} (its chain has "
+                    f"heights 0 to {chain.height}); give the id of a head it stored, or no "
+                    "--head for the tip"
+                )
+            tip = found
         try:
             blob = datadir.blobs.get(tip.head.weights_blob)
             weights = decode_state_dict(blob, expected_schema=manifest.workload.schema_hash)
@@ -95,6 +114,7 @@ def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None)
         "outer_optimizer": msgspec.to_builtins(manifest.outer_optimizer),
         "codec": msgspec.to_builtins(manifest.codec),
         "aggregation": msgspec.to_builtins(manifest.aggregation),
+        "validation": _validation(data_dir, head_id),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     config_path = out.with_suffix(".json")
@@ -173,4 +193,46 @@ def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict
         "experiment_id": experiment_id,
         "height": height,
         "head_id": head_id,
+    }
+
+
+def _validation(data_dir: Path, head_id: str) -> dict[str, Any]:
+    """The median validation loss evaluators reported for the head, and how many did."""
+    with DataDir(data_dir) as datadir:
+        loss, reports = median_val_loss(NodeStore(datadir), head_id)
+    return {"median_loss": loss, "reports": reports}
+
+
+def evaluate_stored_head(
+    data_dir: Path, head_id: str | None = None, *, threads: int = 1, workload: str | None = None
+) -> dict[str, Any]:
+    """Evaluate the head ``head_id`` (default: the tip) of the verified stored chain with the
+    experiment's workload, beside the stored metrics reports of that head."""
+    from p2ptrain.node.evaluator import evaluate_head
+    from p2ptrain.node.workload_check import experiment_workload
+
+    manifest, experiment_id, height, head, weights = canonical_weights(data_dir, head_id)
+    torch.set_num_threads(threads)
+    built = experiment_workload(manifest, workload)
+    loss, perplexity, samples = evaluate_head(built, weights)
+    with DataDir(data_dir) as datadir:
+        stored = NodeStore(datadir).reports_for(head)
+    reports = [
+        {
+            "evaluator": report.evaluator.hex(),
+            "peer_id": report.evaluator_id,
+            "loss": report.loss,
+            "difference": report.loss - loss,
+            "samples": report.samples,
+        }
+        for report in sorted(stored, key=lambda r: r.evaluator)
+    ]
+    return {
+        "experiment_id": experiment_id,
+        "height": height,
+        "head_id": head,
+        "loss": loss,
+        "perplexity": perplexity,
+        "samples": samples,
+        "reports": reports,
     }

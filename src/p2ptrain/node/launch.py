@@ -3,8 +3,9 @@
 ``run_node(settings)`` is what ``p2ptrain node|seed|train|validate|reduce|view`` call: it opens the
 data directory and holds its lock until the node ends (a second node on it is refused,
 naming this one's pid; :class:`~p2ptrain.store.datadir.DataDirLock`), prepares the node
-(:mod:`.setup`), builds the trainer's workload from the experiment manifest (checking that
-the local model and data are the experiment's), and runs until the window target or
+(:mod:`.setup`), builds the trainer's workload (and, with ``--evaluate``, the evaluator's
+own) from the experiment manifest (checking that the local model and data are the
+experiment's), and runs until the window target or
 SIGINT/SIGTERM, which stop it cleanly (connections closed with a goodbye, status written, the
 database closed). A role that failed too often in a row stops
 it the same way, and then :class:`~.failures.RoleFailed` is raised.
@@ -66,7 +67,17 @@ async def serve(
             dry_run = getattr(chosen, "dry_run", None)
             if callable(dry_run):
                 dry_run()  # a mistake in the model or data fails now, in words
-        node = Node(settings, prepared, store, workload=chosen, on_event=on_event)
+        # the evaluator's own workload (a trainer's model is busy training); a node that
+        # does not evaluate builds none, and needs no model code
+        evaluating = experiment_workload(manifest, settings.workload) if settings.evaluate else None
+        node = Node(
+            settings,
+            prepared,
+            store,
+            workload=chosen,
+            evaluator_workload=evaluating,
+            on_event=on_event,
+        )
         if on_node is not None:
             on_node(node)
         loop = asyncio.get_running_loop()

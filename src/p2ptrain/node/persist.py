@@ -9,6 +9,9 @@
 * a validator's votes (``meta['votes']``): it never attests two heads at one height, not
   even across a crash;
 * signed updates and proposals it saw (records), which peers ask for by id;
+* the signed metrics reports of certified heads (records ``metrics``, indexed by height and
+  evaluator; at most one per evaluator and head, at most 64 evaluators per head, kept as
+  long as the head);
 * a trainer's inner optimizer state (``trainer-state.safetensors``), written atomically
   after each window.
 
@@ -29,16 +32,20 @@ from safetensors.torch import load_file, save
 
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import decode, encode
-from p2ptrain.core.records import Head
+from p2ptrain.core.envelope import Signed, open_envelope
+from p2ptrain.core.records import Head, MetricsReport
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.protocol.metrics import median
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 
-__all__ = ["TRAINER_STATE_FILE", "NodeStore"]
+__all__ = ["METRICS_KIND", "TRAINER_STATE_FILE", "NodeStore", "median_val_loss"]
 
 TRAINER_STATE_FILE = "trainer-state.safetensors"
 _VOTES = "votes"
 _EXPERIMENT = "experiment"
+#: The kind of metrics reports, as records and on gossip.
+METRICS_KIND = "metrics"
 _MAX_LINK_BYTES = 1 << 20
 #: Votes kept (by height); older ones can no longer matter.
 _KEEP_VOTES = 64
@@ -135,6 +142,50 @@ class NodeStore:
             for kind in ("update", "proposal")
         }
 
+    # -- metrics reports ------------------------------------------------------------------
+
+    def put_report(self, signed: Signed[MetricsReport]) -> bool:
+        """Store a report the node's :class:`~p2ptrain.protocol.metrics.MetricsBook` took
+        (it keeps the bounds); False if it was stored already."""
+        report = signed.record
+        return self.state.put_record(
+            signed.record_id,
+            METRICS_KIND,
+            bytes(signed.envelope.encode()),
+            experiment_id=report.experiment_id,
+            height=report.height,
+            signer=report.evaluator_id,
+        )
+
+    def metrics_reports(
+        self, experiment_id: str, *, height: int | None = None, min_height: int = 0
+    ) -> list[MetricsReport]:
+        """The stored reports of the experiment (at ``height``, or from ``min_height``)."""
+        rows = self.state.records(METRICS_KIND, experiment_id=experiment_id, height=height)
+        reports = []
+        for _record_id, raw in rows:
+            try:
+                report = open_envelope(raw, MetricsReport).record
+            except ProtocolViolation as exc:
+                raise LocalError(
+                    f"a stored metrics report in {self.state.path} does not verify ({exc}); "
+                    "the database is damaged: move the data directory away and rejoin"
+                ) from exc
+            if report.height >= min_height:
+                reports.append(report)
+        return reports
+
+    def reports_for(self, head_id: str) -> list[MetricsReport]:
+        """The stored reports of the certified head ``head_id`` (none for another head)."""
+        experiment_id = self.experiment_id()
+        if experiment_id is None:
+            return []
+        height = self.state.certified_height(experiment_id, head_id)
+        if height is None:
+            return []
+        reports = self.metrics_reports(experiment_id, height=height)
+        return [r for r in reports if r.head_id == head_id]
+
     # -- trainer state --------------------------------------------------------------------
 
     def trainer_state_path(self) -> Path:
@@ -160,3 +211,10 @@ class NodeStore:
                 f"cannot read the trainer state {path}: {exc}; delete it to restart the "
                 "inner optimizer from scratch"
             ) from exc
+
+
+def median_val_loss(store: NodeStore, head_id: str) -> tuple[float | None, int]:
+    """The median validation loss evaluators reported for ``head_id`` and how many reports
+    there are ((None, 0) without any): what an exporter writes in a model card."""
+    losses = [report.loss for report in store.reports_for(head_id)]
+    return median(losses), len(losses)

@@ -87,6 +87,9 @@ class NodeSettings:
     workload: str | None = None
     #: Where a trainer trains: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
     device: str = "cpu"
+    #: Evaluate every certified head the node adopts on the experiment's validation data
+    #: and publish a signed metrics report (builds the experiment's workload).
+    evaluate: bool = False
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]

@@ -9,7 +9,9 @@ experiment's intake rules (the topic validator: nothing is kept or forwarded bef
 passed them, :mod:`p2ptrain.protocol.intake`), and hands each message to every runner
 (gossip hands a node its own messages too, so what one role publishes reaches the others).
 It persists each certified head once (whichever role adopted it first) and prunes the
-updates and proposals of older windows, emits one ``adopted`` event per height, answers
+updates and proposals of older windows, emits one ``adopted`` event per height, takes in
+and stores the metrics reports of certified heads (:mod:`p2ptrain.protocol.metrics`; with
+``--evaluate`` it evaluates each adopted head itself: :mod:`.evaluator`), answers
 ``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
 whether the chain moved past it, and writes ``status.json``.
 
@@ -34,7 +36,8 @@ import torch
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
-from p2ptrain.core.records import Proposal, Update
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.records import MetricsReport, Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
@@ -42,6 +45,7 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.net.node import NetNode
+from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
     HeadAdopted,
     NodeEvent,
@@ -52,7 +56,7 @@ from p2ptrain.node.events import (
     update_outcome,
 )
 from p2ptrain.node.failures import FailureBook, RoleFailed
-from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.persist import METRICS_KIND, NodeStore
 from p2ptrain.node.roles import role_runners
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
@@ -63,10 +67,12 @@ from p2ptrain.node.status import (
     LastWindow,
     NodeStatus,
     OpenWindow,
+    ValidationMetrics,
     encode_status,
 )
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
+from p2ptrain.protocol.metrics import MetricsBook
 from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.store.atomic import overwrite_in_place, write_atomically
 from p2ptrain.torch.workload import Workload
@@ -78,7 +84,7 @@ _STATUS_PAGE = 4096
 
 logger = logging.getLogger(__name__)
 
-_EXPERIMENT_KINDS = ("update", "proposal", "attestation", CERTIFICATE_KIND)
+_EXPERIMENT_KINDS = ("update", "proposal", "attestation", METRICS_KIND, CERTIFICATE_KIND)
 #: The roles that use (and so keep and serve) the window's updates and proposals.
 _PARTICIPANT_ROLES = frozenset({"reducer", "validator"})
 _STATUS_EVERY_S = 2.0
@@ -98,8 +104,11 @@ class Node:
         store: NodeStore,
         *,
         workload: Workload | None = None,
+        evaluator_workload: Workload | None = None,
         on_event: Callable[[NodeEvent], None] | None = None,
     ) -> None:
+        """``workload``: the trainer's; ``evaluator_workload``: a workload of its own for
+        the evaluator (``--evaluate``; None: this node evaluates nothing)."""
         self.settings = settings
         self.identity = prepared.identity
         self.peer_id = prepared.identity.peer_id
@@ -144,6 +153,18 @@ class Node:
             emit=self._emit,
             votes=store.votes(),
         )
+        #: The metrics reports of recent certified heads (what is stored is in the store).
+        self.metrics: MetricsBook[Signed[MetricsReport]] = MetricsBook()
+        self.evaluator: HeadEvaluator | None = None
+        if evaluator_workload is not None:
+            self.evaluator = HeadEvaluator(
+                workload=evaluator_workload,
+                manifest=self.manifest,
+                identity=self.identity,
+                services=self.services,
+                failures=self.failures,
+                emit=self._emit,
+            )
         self._net: NetNode | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -229,6 +250,8 @@ class Node:
                     group.create_task(runner.run(), name=runner.role)
                 group.create_task(self._sync_forever(), name="sync")
                 group.create_task(self._status_forever(), name="status")
+                if self.evaluator is not None:
+                    group.create_task(self.evaluator.run(), name="evaluator")
                 await self._stop.wait()
                 raise _Stopping
         except* _Stopping:
@@ -269,6 +292,12 @@ class Node:
                     )
                 runner.execute(runner.policy.carry(now, actions))
             logger.info("resumed at height %d (head %s)", tip.height, tip.id[:12])
+        floor = self._stored_height - self.metrics.keep_heights
+        self.metrics.load(self.store.metrics_reports(self.experiment_id, min_height=floor))
+        if links and self.evaluator is not None:
+            tip = links[-1][0]
+            if self.identity.public_key not in self._evaluators_of(tip.id):
+                self.evaluator.offer(tip.height, tip.id, tip.weights_blob)
         for runner in self.runners:
             runner.start(now)
 
@@ -284,10 +313,19 @@ class Node:
             verdict = record.check(self.manifest, self.experiment_id)
             return None if verdict else f"bad certificate: {verdict.reason}"
         admission = self.intake.judge(record, self.height + 1)
+        if admission.accepted and isinstance(record.record, MetricsReport):
+            admission = self.metrics.judge(record.record, self.height, self._certified_at)
         return None if admission.accepted else Refusal(admission.reason, admission.blame)
+
+    def _certified_at(self, height: int) -> str | None:
+        link = self._serving().machine.chain.at(height)
+        return None if link is None else link.head_id
 
     def _on_message(self, message: Delivered) -> None:
         record = message.record
+        if not isinstance(record, CertifiedLink) and isinstance(record.record, MetricsReport):
+            self._take_report(record)
+            return  # beside the chain: no role machine has a use for it
         if self.settings.archive and not isinstance(record, CertifiedLink):
             inner = record.record
             if isinstance(inner, Update | Proposal):
@@ -300,6 +338,32 @@ class Node:
                 )
         for runner in self.runners:
             runner.receive(message)
+
+    # -- metrics reports ------------------------------------------------------------------
+
+    def _take_report(self, signed: Signed[MetricsReport]) -> None:
+        """A report that passed intake (or our own): stored if its head is certified here,
+        held until it is if it names the next height."""
+        report = signed.record
+        if report.height > self.height:
+            self.metrics.hold(signed.record_id, report, signed)
+        else:
+            self._keep_report(signed)
+
+    def _keep_report(self, signed: Signed[MetricsReport]) -> None:
+        report = signed.record
+        if report.head_id != self._certified_at(report.height) or not self.metrics.add(report):
+            return  # a duplicate, a full head, or a head not (or no longer) ours
+        try:
+            self.store.put_report(signed)
+        except Exception as exc:  # a report is worth a warning, never the node
+            if not self.services.storage.check("storing a metrics report", exc):
+                logger.warning("storing the metrics report of head %d: %s", report.height, exc)
+        else:
+            self.services.storage.succeeded()
+
+    def _evaluators_of(self, head_id: str) -> set[bytes]:
+        return {r.evaluator for r in self.store.reports_for(head_id)}
 
     # -- adoption -------------------------------------------------------------------------
 
@@ -320,6 +384,8 @@ class Node:
                 self._stored_height = height
                 if not self.settings.archive:  # older windows' records are of no use now
                     self.store.prune_signed(self.experiment_id, height)
+                for waiting in self.metrics.certified(height, link.head_id):
+                    self._keep_report(waiting)
         if head.height > self._adopted_height:
             self._adopted_height = head.height
             now = time.monotonic()
@@ -349,6 +415,8 @@ class Node:
             for old in [w for w in self._published if w < head.height]:
                 del self._published[old]
             self._write_status(self.status())
+            if self.evaluator is not None:
+                self.evaluator.offer(head.height, action.head_id, head.weights_blob)
         self._check_target()
 
     def _check_target(self) -> None:
@@ -440,7 +508,8 @@ class Node:
             last_window=self._last_window,
             # what the open window is doing or why it has no head yet
             open_window=OpenWindow(window=tip.head.height + 1, reason="; ".join(reasons)),
-            role_states=tuple(r.state() for r in self.runners),
+            role_states=tuple(r.state() for r in self.runners)
+            + (() if self.evaluator is None else (self.evaluator.state(),)),
             errors=tuple(self.failures.recent),
             failed=None if self._failed is None else str(self._failed),
             reports=tuple(self.services.reports),
@@ -448,6 +517,18 @@ class Node:
             bytes_sent=bytes_sent,
             pid=os.getpid(),
             storage=self.services.storage.problem,
+            validation=self._validation(),
+        )
+
+    def _validation(self) -> ValidationMetrics | None:
+        latest = self.metrics.latest()
+        if latest is None:
+            return None
+        return ValidationMetrics(
+            height=latest.height,
+            head_id=latest.head_id,
+            median_loss=latest.median_loss,
+            reports=latest.reports,
         )
 
     def _write_status(self, status: NodeStatus) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "RoleState",
     "StorageProblem",
     "TrainerWindow",
+    "ValidationMetrics",
     "decode_status",
     "encode_status",
     "read_status",
@@ -68,6 +69,16 @@ class TrainerWindow(_Record, frozen=True):
     loss_after: float
     seconds: float
     blob_bytes: int
+
+
+class ValidationMetrics(_Record, frozen=True):
+    """The latest certified head evaluators reported on: the median of their validation
+    losses and how many reports there are."""
+
+    height: int
+    head_id: str
+    median_loss: float
+    reports: int
 
 
 class RoleError(_Record, frozen=True):
@@ -133,6 +144,8 @@ class NodeStatus(_Record, frozen=True):
     pid: int = 0
     #: None while writes go through; the problem while the disk refuses them.
     storage: StorageProblem | None = None
+    #: The latest head with metrics reports (None: no evaluator reported yet).
+    validation: ValidationMetrics | None = None
 
     @property
     def reasons(self) -> list[str]:

@@ -44,6 +44,7 @@ from p2ptrain.errors import LocalError
 from p2ptrain.node.events import HeadAdopted, NodeEvent, Trained
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.launch import serve
+from p2ptrain.node.persist import median_val_loss
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.shell import Node
 from p2ptrain.torch.workload import LossFn, TorchWorkload
@@ -64,6 +65,10 @@ class WindowOutcome:
     #: Bytes this trainer has sent so far (update blobs and control messages).
     bytes_sent: int
     reason: str
+    #: The median validation loss evaluators reported for this head, as far as reports had
+    #: reached this node when the outcome was yielded (None: none yet; reports follow the
+    #: head, since evaluators evaluate it once it is certified).
+    val_loss: float | None = None
 
 
 class Trainer:
@@ -158,6 +163,7 @@ class Trainer:
                         train_loss=last_loss,
                         bytes_sent=nodes[0].status().bytes_sent,
                         reason=item.reason,
+                        val_loss=median_val_loss(nodes[0].store, item.head_id)[0],
                     )
         finally:
             if nodes and thread.is_alive():

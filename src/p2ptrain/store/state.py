@@ -312,6 +312,15 @@ class StateStore:
         with self._transaction() as db:
             return _certified_head(db, experiment_id, height)
 
+    def certified_height(self, experiment_id: str, head_id: str) -> int | None:
+        """The height at which ``head_id`` is certified in the experiment, or None."""
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT height FROM certified_heads WHERE experiment_id = ? AND head_id = ?",
+                (experiment_id, head_id),
+            ).fetchone()
+        return None if row is None else int(row[0])
+
     def latest_certified_head(self, experiment_id: str) -> StoredCertifiedHead | None:
         """The certified head with the greatest height in the experiment, or None."""
         with self._transaction() as db:

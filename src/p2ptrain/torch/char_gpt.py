@@ -217,7 +217,7 @@ def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
     batch_size = _int(settings, "batch_size")
     val_blocks = min(_int(settings, "val_blocks"), len(val))
     eval_batch_size = min(val_blocks, 512)  # beyond 512, val_blocks rounds up to 512s
-    return TorchWorkload(
+    workload = TorchWorkload(
         model,
         optimizer,
         train,
@@ -230,3 +230,5 @@ def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
         language_model=True,
         vocab=tuple(train.vocab),
     )
+    workload.language_model = True  # next-character cross-entropy: perplexity = exp(loss)
+    return workload

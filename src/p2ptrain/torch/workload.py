@@ -295,9 +295,17 @@ class TorchWorkload:
                         "build it from model.parameters()"
                     )
 
+    #: A language model's loss is a token cross-entropy: evaluators report exp(loss) too.
+    language_model: bool = False
+
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    @property
+    def validation_samples(self) -> int:
+        """How many validation samples :meth:`evaluate` runs on."""
+        return sum(len(batch) for batch in self._val_batches)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in self._initial.items()}
