@@ -9,7 +9,7 @@
         model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
     )
     for outcome in trainer.run(windows=100):   # one per certified window
-        print(outcome.height, outcome.head_id, outcome.train_loss, outcome.bytes_sent)
+        print(outcome.height, outcome.update, outcome.loss_after, outcome.val_loss)
 
 The node runs on its own thread (an event loop answering the network) and trains each window
 on a worker thread; :meth:`Trainer.run` yields as the network certifies windows and stops the
@@ -47,7 +47,9 @@ from p2ptrain.node.launch import serve
 from p2ptrain.node.persist import median_val_loss
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.shell import Node
-from p2ptrain.torch.workload import LossFn, TorchWorkload
+from p2ptrain.node.workload_check import build_workload
+from p2ptrain.torch.batch_loss import BatchLoss
+from p2ptrain.torch.workload import LossFn, TorchWorkload, Workload
 
 __all__ = ["Trainer", "WindowOutcome"]
 
@@ -56,14 +58,22 @@ __all__ = ["Trainer", "WindowOutcome"]
 class WindowOutcome:
     """A window the network certified while this trainer ran."""
 
+    #: The certified head's height (= the window it closed).
     height: int
     head_id: str
     #: Updates the certified head accepted (ours among them, if it was on time).
     accepted: int
-    #: Our own last window's loss before and after the inner steps (None before we trained).
-    train_loss: tuple[float, float] | None
+    #: What became of this trainer's own update for the window: "accepted",
+    #: "rejected: <why>" (the head's quarantine book says why), "left out: <why>" (it came
+    #: late, or the window was full), or "" when it sent none (joined mid-window).
+    update: str
+    #: This trainer's last trained window's loss on its first minibatch before any inner
+    #: step, and the mean loss of its last inner steps (None before it trained a window).
+    loss_before: float | None
+    loss_after: float | None
     #: Bytes this trainer has sent so far (update blobs and control messages).
     bytes_sent: int
+    #: Why the node adopted the head (e.g. "certified at height 4: 2 of 3 validators signed").
     reason: str
     #: The median validation loss evaluators reported for this head, as far as reports had
     #: reached this node when the outcome was yielded (None: none yet; reports follow the
@@ -80,11 +90,14 @@ class Trainer:
         data_dir: str | Path,
         experiment: str,
         bootstrap: Sequence[str],
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_loader: DataLoader[Any],
-        val_loader: DataLoader[Any],
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        train_loader: DataLoader[Any] | None = None,
+        val_loader: DataLoader[Any] | None = None,
         loss_fn: LossFn | None = None,
+        batch_loss: BatchLoss | None = None,
+        workload: Workload | str | None = None,
+        device: str = "cpu",
         secret: bytes | None = None,
         threads: int = 1,
         roles: Sequence[str] = (),
@@ -92,9 +105,19 @@ class Trainer:
         port: int = 0,
         max_role_failures: int = DEFAULT_MAX_FAILURES,
     ) -> None:
-        """``roles``: roles this node holds besides trainer (e.g. ``("validator",)``);
-        ``host``/``port``: serve on this address (None: outbound only, the default for a
-        trainer; a validator or reducer needs one, or a relay)."""
+        """Give either ``model``, ``optimizer`` and ``train_loader`` (``val_loader``: what
+        the model is evaluated on when this node evaluates; default: the train set;
+        ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches, or
+        ``batch_loss(model, batch)`` for any batch, e.g. a dict), or ``workload``: a
+        :class:`~p2ptrain.torch.workload.Workload` or the reference the seed used
+        (``"path/file.py:factory"``). ``device``: where to train (``cpu``, ``cuda``,
+        ``cuda:N``, ``mps``). ``roles``: roles this node holds besides trainer (e.g.
+        ``("validator",)``); ``host``/``port``: serve on this address (None: outbound only,
+        the default for a trainer; a validator or reducer needs one, or a relay).
+
+        One forward and backward pass on one batch runs here, before anything joins, so a
+        mistake in the model, the loss or the data fails at once, in words."""
+        reference = workload if isinstance(workload, str) else None
         self._settings: dict[str, Any] = {
             "data_dir": Path(data_dir),
             "roles": ("trainer", *roles),
@@ -105,21 +128,51 @@ class Trainer:
             "secret": secret,
             "threads": threads,
             "max_role_failures": max_role_failures,
+            "workload": reference,
+            "device": device,
         }
         NodeSettings(**self._settings)  # check the settings now, not in run()
-        self._parts = (model, optimizer, train_loader, val_loader, loss_fn)
+        self._given: Workload | None = None if isinstance(workload, str) else workload
+        self._parts = (model, optimizer, train_loader, val_loader, loss_fn, batch_loss)
+        if workload is None:
+            if model is None or optimizer is None or train_loader is None:
+                given = {"model": model, "optimizer": optimizer, "train_loader": train_loader}
+                missing = [name for name, value in given.items() if value is None]
+                raise LocalError(
+                    f"Trainer needs model, optimizer and train_loader (or workload=...); "
+                    f"missing: {', '.join(missing)}"
+                )
+            # the dry run: the loaders' own sizes stand in for the experiment's shards
+            self._from_loaders(samples_per_shard=1, name="dry-run").dry_run()
+        elif model is not None or train_loader is not None:
+            raise LocalError("give workload=... or model/optimizer/loaders, not both")
+        elif self._given is not None:
+            dry_run = getattr(self._given, "dry_run", None)
+            if callable(dry_run):
+                dry_run()
 
-    def _workload(self, manifest: ExperimentManifest) -> TorchWorkload:
-        model, optimizer, train_loader, val_loader, loss_fn = self._parts
-        shards = manifest.dataset.shards
+    def _from_loaders(self, *, samples_per_shard: int, name: str) -> TorchWorkload:
+        model, optimizer, train_loader, val_loader, loss_fn, batch_loss = self._parts
+        assert model is not None and optimizer is not None and train_loader is not None
         return TorchWorkload.from_loaders(
             model,
             optimizer,
             train_loader,
-            val_loader,
-            samples_per_shard=shards[0].samples,
-            name=manifest.dataset.name,
+            val_loader or train_loader,
+            samples_per_shard=samples_per_shard,
+            name=name,
             loss_fn=loss_fn,
+            batch_loss=batch_loss,
+            device=self._settings["device"],
+        )
+
+    def _workload(self, manifest: ExperimentManifest) -> Workload:
+        if self._given is not None:
+            return self._given
+        if self._settings["workload"] is not None:
+            return build_workload(manifest, self._settings["workload"])
+        return self._from_loaders(
+            samples_per_shard=manifest.dataset.shards[0].samples, name=manifest.dataset.name
         )
 
     def run(self, windows: int | None = None) -> Iterator[WindowOutcome]:
@@ -148,19 +201,21 @@ class Trainer:
             target=loop.run_until_complete, args=(main(),), name="p2ptrain-node", daemon=True
         )
         thread.start()
-        last_loss: tuple[float, float] | None = None
+        last: Trained | None = None
         try:
             while (item := events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, Trained):
-                    last_loss = (item.loss_before, item.loss_after)
+                    last = item
                 elif isinstance(item, HeadAdopted) and nodes:
                     yield WindowOutcome(
                         height=item.height,
                         head_id=item.head_id,
                         accepted=item.accepted,
-                        train_loss=last_loss,
+                        update=item.update,
+                        loss_before=None if last is None else last.loss_before,
+                        loss_after=None if last is None else last.loss_after,
                         bytes_sent=nodes[0].status().bytes_sent,
                         reason=item.reason,
                         val_loss=median_val_loss(nodes[0].store, item.head_id)[0],

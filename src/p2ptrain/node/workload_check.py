@@ -132,7 +132,7 @@ def check_workload(
             else f"parameter schema {local_schema[:12]}, the experiment's {spec.schema_hash[:12]}"
         )
         raise LocalError(
-            f"the local model is not experiment {manifest.name!r}'s model ({spec.name!r}): "
+            f"the local model is not the model of experiment {manifest.name!r} ({spec.name}): "
             f"{what}. Build the same model (names, shapes, dtypes) as the experiment's"
         )
     if spec.batch_size and workload.batch_size != spec.batch_size:
@@ -144,7 +144,7 @@ def check_workload(
     local_data = workload.dataset_manifest()
     if local_data != manifest.dataset:
         raise LocalError(
-            f"the local training data is not experiment {manifest.name!r}'s dataset: "
+            f"the local training data is not the dataset of experiment {manifest.name!r}: "
             f"{dataset_difference(local_data, manifest.dataset)}. Use the same dataset, in the "
             "same order, with the same samples per shard"
         )

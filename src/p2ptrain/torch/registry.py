@@ -101,8 +101,10 @@ def reference_name(reference: str) -> str:
         path = Path(where)
         parts = [path.parent.name, path.stem] if path.parent.name else [path.stem]
     else:
-        parts = [where.rsplit(".", 1)[-1]]
-    name = ".".join(p for p in (*parts, attr) if p)
+        parts = where.split(".")
+    if attr != parts[-1]:
+        parts.append(attr)
+    name = ".".join(p for p in parts if p)
     cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("._-")
     return cleaned[:64] or "workload"
 
