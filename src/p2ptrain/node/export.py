@@ -186,6 +186,12 @@ def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict
         "workload": manifest.workload.reference or manifest.workload.name,
         "inner_steps": manifest.inner_steps,
     }
+    validation = _validation(data_dir, head_id)
+    card["validation_loss"] = (
+        "no evaluator reported yet"
+        if validation["median_loss"] is None
+        else f"{validation['median_loss']:.4f} (median of {validation['reports']} evaluator reports)"
+    )
     paths = write_hf_export(built, weights, out, card)
     return {
         "directory": str(out),
