@@ -190,7 +190,7 @@ def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict
     card["validation_loss"] = (
         "no evaluator reported yet"
         if validation["median_loss"] is None
-        else f"{validation['median_loss']:.4f} (median of {validation['reports']} evaluator reports)"
+        else f"{validation['median_loss']:.4f} (median of {validation['reports']} reports)"
     )
     paths = write_hf_export(built, weights, out, card)
     return {
