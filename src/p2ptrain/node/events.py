@@ -171,7 +171,8 @@ def update_outcome(head: Head, update_id: str | None, peer_id: str) -> str:
         return "accepted"
     for entry in head.quarantine:
         if entry.peer_id == peer_id and (entry.strikes or entry.until_window >= head.height):
-            return f"rejected: {entry.reason}"
+            # a first strike's reason already reads "rejected: ..."
+            return f"rejected: {entry.reason.removeprefix('rejected: ')}"
     return (
         f"left out: the window closed with {len(head.accepted)} updates without it "
         "(it came late, or the window was full)"
