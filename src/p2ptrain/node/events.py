@@ -161,17 +161,27 @@ def decode_event(line: bytes | str) -> NodeEvent | None:
     return event
 
 
-def update_outcome(head: Head, update_id: str | None, peer_id: str) -> str:
+def update_outcome(
+    head: Head, update_id: str | None, peer_id: str, before: Head | None = None
+) -> str:
     """What became of our update ``update_id`` (None: we sent none) in ``head``'s window:
-    accepted, rejected (the head's quarantine book says why) or left out (on time or not,
-    the window closed without it: late, or the window was full)."""
+    accepted, rejected (the quarantine book counted a strike or a quarantine against us in
+    this window, compared with ``before``, the parent head; the book says why) or left out
+    (the window closed without it: it came late, or the window was full)."""
     if update_id is None:
         return ""
     if update_id in head.accepted:
         return "accepted"
-    for entry in head.quarantine:
-        if entry.peer_id == peer_id and (entry.strikes or entry.until_window >= head.height):
-            return f"rejected: {entry.reason}"
+    mine = next((e for e in head.quarantine if e.peer_id == peer_id), None)
+    earlier = None
+    if before is not None:
+        earlier = next((e for e in before.quarantine if e.peer_id == peer_id), None)
+    if mine is not None:
+        struck = (mine.strikes, mine.offences) != (
+            (earlier.strikes, earlier.offences) if earlier is not None else (0, 0)
+        )
+        if struck if before is not None else (mine.strikes or mine.until_window >= head.height):
+            return f"rejected: {mine.reason.removeprefix('rejected: ')}"
     return (
         f"left out: the window closed with {len(head.accepted)} updates without it "
         "(it came late, or the window was full)"

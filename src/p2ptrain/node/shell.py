@@ -408,7 +408,10 @@ class Node:
                     reason=window.reason,
                     seconds=window.seconds,
                     update=update_outcome(
-                        head, self._published.pop(head.height, None), self.peer_id
+                        head,
+                        self._published.pop(head.height, None),
+                        self.peer_id,
+                        parent.head if (parent := machine.chain.at(head.height - 1)) else None,
                     ),
                 )
             )

@@ -95,7 +95,9 @@ def is_built_in(name: str) -> bool:
 
 def reference_name(reference: str) -> str:
     """A manifest-safe name for a reference: ``examples/hf_gpt2/workload.py:workload`` ->
-    ``hf_gpt2.workload``; ``my_pkg.models:gpt`` -> ``my_pkg.models.gpt``."""
+    ``hf_gpt2.workload`` (folder, file, and the factory unless it is the file's name);
+    ``my_pkg.models:gpt`` -> ``my_pkg.models.gpt``. Other than ASCII letters, digits, '.',
+    '_' and '-' becomes '-'."""
     where, _, attr = reference.rpartition(":")
     if where.endswith(".py"):
         path = Path(where)
@@ -105,7 +107,8 @@ def reference_name(reference: str) -> str:
     if attr != parts[-1]:
         parts.append(attr)
     name = ".".join(p for p in parts if p)
-    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("._-")
+    cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in name)
+    cleaned = cleaned.strip("._-")
     return cleaned[:64] or "workload"
 
 

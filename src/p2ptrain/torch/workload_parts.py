@@ -37,7 +37,8 @@ PARTS = (
 
 
 def _dataset_name(where: str) -> str:
-    kept = "".join(c if c.isalnum() or c in "._-" else "-" for c in where.rpartition(":")[2])
+    attr = where.rpartition(":")[2]
+    kept = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in attr)
     return (kept.strip("._-") or "dataset")[:48]
 
 
