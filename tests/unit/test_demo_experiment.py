@@ -146,3 +146,21 @@ def test_demo_toml_does_not_change_the_defaults_it_is_given(tmp_path: Path) -> N
         defaults=defaults,
     )
     assert defaults == _defaults()
+
+
+def test_demo_toml_counts_the_demos_own_trainers(tmp_path: Path) -> None:
+    # a definition for a real network waits for 8 updates; the demo runs 2 trainers
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        '[workload]\nname = "char-gpt"\n[window]\ndeadline_s = 300.0\nmin_updates = 8\n'
+        "max_updates = 8\n"
+    )
+    text = demo_toml(
+        demo_experiment(None, str(path)),
+        validators=DEMO_VALIDATORS,
+        reducers=[DEMO_REDUCER],
+        quorum=2,
+        defaults=_defaults(),
+    )
+    window = tomllib.loads(text)["window"]
+    assert (window["min_updates"], window["max_updates"], window["deadline_s"]) == (1, 2, 300.0)

@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -175,6 +176,10 @@ def _run(
         experiment, validators=validators, reducers=reducers, quorum=2, defaults=defaults
     )
     path = network.write_experiment(toml)
+    effective = tomllib.loads(toml)  # the user's settings may differ from the demo's
+    deadline_s = float(effective["window"]["deadline_s"])
+    if effective["inner_steps"] != args.inner_steps:
+        console.print(f"the experiment sets {effective['inner_steps']} inner steps a window")
     code = ["--workload", experiment.code] if is_reference(experiment.code) else []
     trainers = [f"trainer-{i}" for i in range(args.trainers)]
     try:

@@ -78,7 +78,9 @@ def demo_toml(
 ) -> str:
     """The definition the demo's seed signs: ``defaults`` (the demo's own settings, sized
     for this machine) overridden by the user's tables, with the demo's validators, reducers
-    and quorum."""
+    and quorum, and the demo's ``window.min_updates``/``max_updates`` (they count the demo's
+    trainers: a window waiting for more trainers than the demo runs would wait out its
+    whole deadline)."""
     tables: dict[str, Any] = {}
     for key, value in defaults.items():
         tables[key] = dict(value) if isinstance(value, dict) else value
@@ -93,6 +95,9 @@ def demo_toml(
     workload["name"] = experiment.code  # the seed turns a reference into name + reference
     workload["config"] = experiment.config
     tables["workload"] = workload
+    for key in ("min_updates", "max_updates"):
+        if key in defaults.get("window", {}):
+            tables.setdefault("window", {})[key] = defaults["window"][key]
     tables["validators"] = sorted(validators)
     tables["reducers"] = sorted(reducers)
     tables["quorum"] = quorum
