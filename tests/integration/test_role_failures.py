@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from p2ptrain import RoleFailed, Trainer
+from p2ptrain.errors import LocalError
 from p2ptrain.torch.char_gpt import char_gpt_workload
 from tests.support.faulty_node import FAULT_ENV
 from tests.support.local_net import TINY_CONFIG, Net, new_net
@@ -129,6 +130,27 @@ def test_the_trainer_api_raises_when_training_keeps_failing(net: Net) -> None:
     def broken_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError("the loss function is broken")
 
+    # a loss that is always broken fails at once, in the dry run, before anything joins
+    with pytest.raises(LocalError, match=r"failed on the first training batch.*is broken"):
+        Trainer(
+            data_dir=Path(net.workdir) / "api-trainer",
+            experiment=net.network.experiment_id,
+            bootstrap=[seed.address],
+            model=parts.model,
+            optimizer=parts.optimizer,
+            train_loader=DataLoader(parts.train_dataset, batch_size=parts.batch_size),
+            loss_fn=broken_loss,
+        )
+    calls = [0]
+
+    def breaks_after_the_dry_run(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise ValueError("the loss function is broken")
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+
     trainer = Trainer(
         data_dir=Path(net.workdir) / "api-trainer",
         experiment=net.network.experiment_id,
@@ -137,7 +159,7 @@ def test_the_trainer_api_raises_when_training_keeps_failing(net: Net) -> None:
         optimizer=parts.optimizer,
         train_loader=DataLoader(parts.train_dataset, batch_size=parts.batch_size),
         val_loader=DataLoader(parts.val_dataset, batch_size=64),
-        loss_fn=broken_loss,
+        loss_fn=breaks_after_the_dry_run,
     )
     with pytest.raises(RoleFailed, match="the trainer role failed 3 times in a row") as caught:
         for _outcome in trainer.run():  # until it raises (the module's timeout otherwise)

@@ -59,7 +59,16 @@ def dry_run_batch(
     try:
         with seeded_rng(device, 0):
             with autocast_context(device, autocast_dtype):
-                loss = batch_loss(model, to_device(batch, device))
+                try:
+                    loss = batch_loss(model, to_device(batch, device))
+                except LocalError:
+                    raise
+                except Exception as exc:
+                    raise LocalError(
+                        f"the model or its loss failed on the first training batch (the dry "
+                        f"run before joining): {type(exc).__name__}: {exc}; fix it and start "
+                        "again (the traceback above this line shows where)"
+                    ) from exc
             problem = loss_problem(loss)
             if problem is not None:
                 raise LocalError(problem)

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from p2ptrain.core.manifests import DatasetManifest
 from p2ptrain.data.shards import MapDataset, dataset_manifest
@@ -204,6 +204,8 @@ class TorchWorkload:
             raise LocalError(
                 f"batch_size and val_batches must be positive, got {batch_size}, {val_batches}"
             )
+        for role, dataset in (("training", train_dataset), ("validation", val_dataset)):
+            _check_map_style(role, dataset)
         if len(val_dataset) < 1:
             raise LocalError("the validation dataset is empty; evaluation needs samples")
         if loss_fn is not None and batch_loss is not None:
@@ -412,3 +414,16 @@ class TorchWorkload:
         """Replace the optimizer's per-parameter state with ``tensors`` (from
         :meth:`optimizer_state`), on the parameters' device."""
         restore_optimizer_state(self.optimizer, self._params, tensors)
+
+
+def _check_map_style(role: str, dataset: object) -> None:
+    """Leases name samples by index: a dataset must have ``len()`` and ``dataset[i]``."""
+    if isinstance(dataset, IterableDataset) or not (
+        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+    ):
+        raise LocalError(
+            f"the {role} dataset is a {type(dataset).__name__}, a stream without len() and "
+            "dataset[i]; the protocol leases samples by index, so it needs a map-style "
+            "dataset: materialise the stream (a list of rows, a datasets.Dataset, or a "
+            "torch Dataset over files cut into fixed blocks)"
+        )
