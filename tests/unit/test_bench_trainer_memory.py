@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from p2ptrain.bench.trainer_memory import MAX_RATIO, MemoryBenchConfig, run_trainer_memory_bench
+from p2ptrain.bench.trainer_memory import MAX_RATIO, MemoryBenchConfig, _run_child
 from p2ptrain.cli.main import main
 from p2ptrain.errors import LocalError
 
@@ -34,8 +34,12 @@ def test_the_command_reports_both_peaks_and_their_ratio(capsys: pytest.CaptureFi
     assert result["config"]["steps"] == 2
 
 
-def test_a_failing_child_is_reported() -> None:
-    with pytest.raises(LocalError, match="trainer measurement failed"):
-        run_trainer_memory_bench(
-            MemoryBenchConfig(n_layer=1, n_embd=8, n_head=2, block_size=4, steps=1, codec="nope")
-        )
+def test_a_child_past_its_time_is_killed_and_reported() -> None:
+    config = MemoryBenchConfig(n_layer=1, n_embd=8, n_head=2, block_size=4, steps=1)
+    with pytest.raises(LocalError, match=r"the trainer measurement took over 0\.2 s"):
+        _run_child("trainer", config, timeout_s=0.2)
+
+
+def test_an_unknown_codec_is_refused_before_any_child_starts() -> None:
+    with pytest.raises(LocalError, match="codec must be one of"):
+        MemoryBenchConfig(codec="nope")

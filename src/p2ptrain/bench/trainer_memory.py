@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from p2ptrain.core.manifests import UPDATE_CODECS
 from p2ptrain.errors import LocalError
 
 __all__ = ["MAX_RATIO", "MemoryBenchConfig", "peak_rss_mib", "run_trainer_memory_bench"]
@@ -77,6 +78,11 @@ class MemoryBenchConfig:
             raise LocalError("trainer-memory: block_size must be at least 2")
         if self.n_embd % self.n_head:
             raise LocalError("trainer-memory: n_embd must be a multiple of n_head")
+        if self.codec not in UPDATE_CODECS:
+            raise LocalError(
+                f"trainer-memory: codec must be one of {', '.join(UPDATE_CODECS)}, "
+                f"got {self.codec!r}"
+            )
 
 
 def peak_rss_mib() -> float:

@@ -38,9 +38,17 @@ def train_update(
     save_state: Callable[[dict[str, torch.Tensor]], None],
 ) -> TrainedUpdate:
     """``steps`` inner steps from ``base`` on ``indices``, the encoded pseudo-gradient, and
-    the optimizer state passed to ``save_state`` once the update is encoded."""
+    the optimizer state passed to ``save_state`` once the update is encoded.
+
+    Each copy of the weights is let go as soon as it is no longer needed (θ_local once Δ is
+    computed, Δ once it is encoded): saving the state copies the optimizer's moments (twice
+    the weights) and serializes them, and that is the window's memory peak.
+    """
     result = workload.train_window(base, indices, steps=steps, seed=seed)
     delta = {name: base[name] - result.weights[name] for name in base}
+    loss_before, loss_after = result.loss_before, result.loss_after
+    del result
     blob = encoder.encode(delta)
+    del delta
     save_state(workload.optimizer_state())
-    return TrainedUpdate(blob, result.loss_before, result.loss_after)
+    return TrainedUpdate(blob, loss_before, loss_after)
