@@ -121,7 +121,32 @@ def add_parsers(commands: Any) -> None:
     )
     chaos.add_argument("--json", action="store_true", help="print one JSON object")
     chaos.set_defaults(handler=run_chaos)
+
+    _add_trainer_memory(sub)
     bench.set_defaults(handler=lambda _args: show_usage(bench))
+
+
+def _add_trainer_memory(sub: Any) -> None:
+    memory = sub.add_parser(
+        "trainer-memory",
+        help="a trainer's peak RSS training a GPT-2 against a plain training loop",
+        description="Train a GPT-2 built from a config (about 57M parameters by default) for "
+        "--steps steps twice, each in a fresh process: in a plain loop (AdamW, forward, "
+        "backward, clip, step: the baseline) and as a trainer's window (the workload's inner "
+        "steps, the update encoded with --codec, the optimizer state saved). Report both peak "
+        "RSS figures and their ratio; the trainer passes at a ratio of 2 or less.",
+    )
+    memory.add_argument("--layers", type=int, default=8, help="GPT-2 n_layer (default 8)")
+    memory.add_argument("--width", type=int, default=768, help="GPT-2 n_embd (default 768)")
+    memory.add_argument("--heads", type=int, default=12, help="GPT-2 n_head (default 12)")
+    memory.add_argument(
+        "--block-size", type=int, default=128, help="tokens per row, n_positions (default 128)"
+    )
+    memory.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8)")
+    memory.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    memory.add_argument("--codec", default="int8", help="the trainer's update codec (int8)")
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    memory.set_defaults(handler=run_trainer_memory)
 
 
 def _emit(result: dict[str, Any], as_json: bool) -> None:
@@ -225,4 +250,32 @@ def run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         print("\n".join(summary_lines(result)))
+    return 0
+
+
+def run_trainer_memory(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.trainer_memory import MemoryBenchConfig, run_trainer_memory_bench
+
+    config = MemoryBenchConfig(
+        n_layer=args.layers,
+        n_embd=args.width,
+        n_head=args.heads,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        codec=args.codec,
+    )
+    result = run_trainer_memory_bench(config)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    verdict = "pass" if result["passed"] else "FAIL"
+    print(f"GPT-2 parameters        {result['parameters']:,}")
+    print(f"baseline peak RSS       {result['baseline_peak_rss_mib']:.1f} MiB (plain loop)")
+    print(f"trainer peak RSS        {result['trainer_peak_rss_mib']:.1f} MiB (one window)")
+    print(f"ratio trainer/baseline  {result['ratio']:.3f} ({verdict}: <= {result['max_ratio']})")
+    print(
+        f"steps/s                 baseline {result['baseline_steps_per_s']:.3f}, "
+        f"trainer {result['trainer_steps_per_s']:.3f} (whole window)"
+    )
     return 0

@@ -31,6 +31,7 @@ from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import TrainerWindow
+from p2ptrain.node.trainer_window import train_update
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import Effect, Publish, TrainLater
 from p2ptrain.protocol.policy import FETCH_ATTEMPTS, TrainerPolicy
@@ -147,19 +148,17 @@ class TrainerRunner(RoleRunner):
         """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
         lease = self.machine.lease(action.window)
         indices = lease_indices(self.manifest.dataset, lease)
-        result = self.workload.train_window(
+        metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
+        update = train_update(
+            self.workload,
+            self._encoder,
             base.weights,
             indices,
             steps=self.manifest.inner_steps,
             seed=window_seed(self.peer_id, action.window),
+            save_state=lambda state: self.services.store.save_trainer_state(state, metadata),
         )
-        delta = {name: base.weights[name] - result.weights[name] for name in base.weights}
-        blob = self._encoder.encode(delta)
-        self.services.store.save_trainer_state(
-            self.workload.optimizer_state(),
-            {"window": str(action.window), "experiment": self.services.experiment_id},
-        )
-        return blob, result.loss_before, result.loss_after
+        return update.blob, update.loss_before, update.loss_after
 
     async def _publish(self, effect: Publish) -> None:
         """The blob is stored (an earlier effect); one that no peer could fetch from us is

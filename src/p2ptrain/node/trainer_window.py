@@ -1,0 +1,54 @@
+"""A trainer's work in one window, without the network: train, encode, save the state.
+
+:func:`train_update` is what :class:`~p2ptrain.node.trainer_runner.TrainerRunner` runs in its
+worker thread each window, and what ``p2ptrain bench trainer-memory`` measures: the inner
+steps of the workload from the base weights, the pseudo-gradient ``Δ = θ_base - θ_local``, its
+encoding with the experiment's codec, and the inner optimizer state handed to ``save_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from p2ptrain.aggregate.codecs import UpdateEncoder
+from p2ptrain.torch.workload import Workload
+
+__all__ = ["TrainedUpdate", "train_update"]
+
+
+class TrainedUpdate(NamedTuple):
+    """The update blob of a window and the losses the trainer reports with it."""
+
+    blob: bytes
+    loss_before: float
+    loss_after: float
+
+
+def train_update(
+    workload: Workload,
+    encoder: UpdateEncoder,
+    base: Mapping[str, torch.Tensor],
+    indices: Sequence[int],
+    *,
+    steps: int,
+    seed: int,
+    save_state: Callable[[dict[str, torch.Tensor]], None],
+) -> TrainedUpdate:
+    """``steps`` inner steps from ``base`` on ``indices``, the encoded pseudo-gradient, and
+    the optimizer state passed to ``save_state`` once the update is encoded.
+
+    Each copy of the weights is let go as soon as it is no longer needed (θ_local once Δ is
+    computed, Δ once it is encoded): saving the state copies the optimizer's moments (twice
+    the weights) and serializes them, and that is the window's memory peak.
+    """
+    result = workload.train_window(base, indices, steps=steps, seed=seed)
+    delta = {name: base[name] - result.weights[name] for name in base}
+    loss_before, loss_after = result.loss_before, result.loss_after
+    del result
+    blob = encoder.encode(delta)
+    del delta
+    save_state(workload.optimizer_state())
+    return TrainedUpdate(blob, loss_before, loss_after)
