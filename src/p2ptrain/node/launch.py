@@ -42,8 +42,11 @@ async def serve(
     workload: WorkloadSource | None = None,
     on_event: Callable[[NodeEvent], None] | None = None,
     on_node: Callable[[Node], None] | None = None,
+    dry_run: bool = True,
 ) -> NodeStatus:
-    """Prepare and run a node until it stops; return its final status."""
+    """Prepare and run a node until it stops; return its final status. A trainer's workload
+    first runs one batch forward and backward (``dry_run``; the Trainer API has done it
+    already, before joining)."""
     ensure_kernel()  # the C aggregation kernel, built on first use
     with DataDir(settings.data_dir, exclusive=True) as datadir:
         store = NodeStore(datadir)
@@ -64,9 +67,9 @@ async def serve(
                         "cannot be moved; build it on the device yourself"
                     )
                 place(settings.device)
-            dry_run = getattr(chosen, "dry_run", None)
-            if callable(dry_run):
-                dry_run()  # a mistake in the model or data fails now, in words
+            check = getattr(chosen, "dry_run", None)
+            if dry_run and callable(check):
+                check()  # a mistake in the model or data fails now, in words
         # the evaluator's own workload (a trainer's model is busy training); a node that
         # does not evaluate builds none, and needs no model code
         evaluating = experiment_workload(manifest, settings.workload) if settings.evaluate else None
