@@ -83,7 +83,7 @@ def test_a_definition_gives_the_workload_and_drops_who_validates(tmp_path: Path)
 def test_a_definition_without_a_workload_or_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "experiment.toml"
     path.write_text('study = "mine"\n')
-    with pytest.raises(LocalError, match=r"\[workload\] names no workload"):
+    with pytest.raises(LocalError, match=r"\[workload\] needs a name"):
         demo_experiment(None, str(path))
     assert demo_experiment("char-gpt", str(path)).code == "char-gpt"
     with pytest.raises(LocalError, match="cannot read the experiment definition"):

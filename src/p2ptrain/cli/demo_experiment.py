@@ -15,8 +15,9 @@ from typing import Any
 
 import tomli_w
 
-from p2ptrain.core.experiment_config import parse_experiment_toml
+from p2ptrain.core.experiment_config import defined_workload, parse_experiment_toml
 from p2ptrain.errors import LocalError
+from p2ptrain.node.setup import read_definition
 
 __all__ = ["DemoExperiment", "demo_experiment", "demo_toml"]
 
@@ -46,22 +47,11 @@ def demo_experiment(workload: str | None, experiment_toml: str | None) -> DemoEx
             return DemoExperiment("char-gpt", dict(DEFAULT_CONFIG))
         return DemoExperiment(workload, {})
     path = Path(experiment_toml)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
-    tables = parse_experiment_toml(text)
+    tables = parse_experiment_toml(read_definition(path))
     for key in ("validators", "reducers", "quorum", "network_id"):
         tables.pop(key, None)  # the demo's own processes validate and reduce
+    code = defined_workload(tables, workload, str(path))
     spec = tables.get("workload", {})
-    if not isinstance(spec, dict):
-        raise LocalError(f"{path}: [workload] must be a table")
-    code = workload or spec.get("reference") or spec.get("name")
-    if not isinstance(code, str) or not code:
-        raise LocalError(
-            f'{path}: [workload] names no workload; add name = "hf-causal-lm" (or '
-            'reference = "path/to/file.py:factory"), or pass --workload'
-        )
     config = spec.get("config", {})
     if not isinstance(config, dict):
         raise LocalError(f"{path}: [workload.config] must be a table")

@@ -93,3 +93,18 @@ def _describe(message: str) -> str:
     if detail.startswith("Object contains unknown field"):
         detail += " (check its spelling against docs/protocol.md)"
     return f"{where or '(top level)'}: {detail}"
+
+
+def defined_workload(tables: Mapping[str, Any], given: str | None, where: str) -> str:
+    """The workload a definition names, as a name or a reference: ``given`` (a
+    ``--workload``) wins, then ``[workload] reference``, then ``[workload] name``."""
+    spec = tables.get("workload", {})
+    if not isinstance(spec, dict):
+        raise LocalError(f"{where}: [workload] must be a table")
+    code = given or spec.get("reference") or spec.get("name")
+    if not isinstance(code, str) or not code:
+        raise LocalError(
+            f'{where}: [workload] needs a name (e.g. name = "char-gpt") or a reference to '
+            'your code (reference = "path/to/file.py:factory"), or pass --workload'
+        )
+    return code

@@ -27,7 +27,11 @@ import torch
 
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, open_envelope, seal
-from p2ptrain.core.experiment_config import experiment_from_tables, parse_experiment_toml
+from p2ptrain.core.experiment_config import (
+    defined_workload,
+    experiment_from_tables,
+    parse_experiment_toml,
+)
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
@@ -39,7 +43,7 @@ from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
-__all__ = ["ROLES", "NodeSettings", "Prepared", "new_secret", "prepare"]
+__all__ = ["ROLES", "NodeSettings", "Prepared", "new_secret", "prepare", "read_definition"]
 
 ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
 _MAX_GENESIS_BYTES = 4 << 30
@@ -167,7 +171,8 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
     return Prepared(identity, network, experiment, genesis)
 
 
-def _read_definition(path: Path) -> str:
+def read_definition(path: Path) -> str:
+    """The text of an experiment definition, or a LocalError naming the file."""
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -195,7 +200,7 @@ def _check_definition(path: Path, restored: Prepared, data_dir: Path, workload: 
         "--experiment-toml"
     )
     try:
-        raw = parse_experiment_toml(_read_definition(path))
+        raw = parse_experiment_toml(read_definition(path))
         _workload_table(raw, workload, path)
         defined = experiment_from_tables(raw, restored.identity.public_key, fill).id
     except LocalError as exc:
@@ -216,16 +221,8 @@ def _workload_table(raw: dict[str, Any], given: str | None, path: Path) -> str:
     name or reference to build the workload from."""
     from p2ptrain.torch.registry import is_reference, reference_name
 
-    spec = raw.get("workload", {})
-    if not isinstance(spec, dict):
-        raise LocalError(f"{path}: [workload] must be a table")
-    code = given or spec.get("reference") or spec.get("name")
-    if not isinstance(code, str) or not code:
-        raise LocalError(
-            f'{path}: [workload] needs a name (e.g. name = "char-gpt") or a reference to '
-            'your code (reference = "path/to/file.py:factory"), or pass --workload'
-        )
-    spec = dict(spec)
+    code = defined_workload(raw, given, str(path))
+    spec = dict(raw.get("workload", {}))
     if is_reference(code):
         spec["reference"] = code
         if not isinstance(spec.get("name"), str) or is_reference(spec["name"]) or given:
@@ -242,7 +239,7 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
 
     assert settings.experiment_toml is not None
     path = settings.experiment_toml
-    text = _read_definition(path)
+    text = read_definition(path)
     network = NetworkManifest(
         name=settings.network_name,
         authority=identity.public_key,
