@@ -473,23 +473,17 @@ def run_export(args: argparse.Namespace) -> int:
 
     if args.format == "hf":
         result = export_hf(Path(args.dir), Path(args.out or "model-hf"), workload=args.workload)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(
-                f"wrote {result['directory']} (height {result['height']}, head "
-                f"{result['head_id'][:12]}): AutoModelForCausalLM.from_pretrained loads it",
-                file=sys.stderr,
-            )
-        return 0
-    out = Path(args.out or "model.safetensors")
-    result = export_checkpoint(Path(args.dir), out, workload=args.workload)
+        wrote = f"{result['directory']}"
+        usable = ": AutoModelForCausalLM.from_pretrained loads it"
+    else:
+        out = Path(args.out or "model.safetensors")
+        result = export_checkpoint(Path(args.dir), out, workload=args.workload)
+        wrote, usable = result["checkpoint"], f" and {result['config']}"
     if args.json:
         print(json.dumps(result))
     else:
         print(
-            f"wrote {result['checkpoint']} (height {result['height']}, head "
-            f"{result['head_id'][:12]}) and {result['config']}",
+            f"wrote {wrote} (height {result['height']}, head {result['head_id'][:12]}){usable}",
             file=sys.stderr,
         )
     return 0
