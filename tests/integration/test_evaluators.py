@@ -58,6 +58,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
             30,
             lambda: (net.status("viewer-0").get("validation") or {}).get("height") == WINDOWS,
         )
+        # ... and the viewer holds head WINDOWS itself (its status can show a report of a head
+        # whose certificate it has while its weights are still on their way)
+        net.wait_height("viewer-0", WINDOWS, 30)
         net.stop(["trainer-0", "viewer-0", "validator-0", "seed"])
         yield net
     finally:
