@@ -13,8 +13,6 @@ with the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from tests.support.liveness import (
@@ -22,10 +20,10 @@ from tests.support.liveness import (
     certify,
     chaos_rng,
     end_on_one_head,
-    launch_paced,
     metrics,
+    paced_net,
 )
-from tests.support.local_net import Net, new_net
+from tests.support.local_net import Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -37,16 +35,12 @@ DEADLINE_S = 2.0
 CATCH_UP_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
-    net = new_net(tmp_path_factory.mktemp("heartbeat-pauses"))
-    try:
-        launch_paced(
-            net, validators=3, deadline_s=DEADLINE_S, extra_args=["--heartbeat-s", str(HEARTBEAT_S)]
-        )
-        yield net
-    finally:
-        net.close()
+net = paced_net(
+    "heartbeat-pauses",
+    validators=3,
+    deadline_s=DEADLINE_S,
+    extra_args=["--heartbeat-s", str(HEARTBEAT_S)],
+)
 
 
 def test_pauses_longer_than_the_heartbeat_are_no_offence(net: Net) -> None:

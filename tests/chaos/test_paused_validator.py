@@ -13,12 +13,10 @@ holds one head with the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head, launch_paced
-from tests.support.local_net import Net, new_net
+from tests.support.liveness import accusations, certify, chaos_rng, end_on_one_head, paced_net
+from tests.support.local_net import Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -31,14 +29,7 @@ HEALTHY_STRETCH_S = 60.0
 CATCH_UP_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
-    net = new_net(tmp_path_factory.mktemp("paused-validator"))
-    try:
-        launch_paced(net, validators=3, deadline_s=DEADLINE_S)
-        yield net
-    finally:
-        net.close()
+net = paced_net("paused-validator", validators=3, deadline_s=DEADLINE_S)
 
 
 def test_a_paused_validator_does_not_stop_the_others(net: Net) -> None:

@@ -15,26 +15,17 @@ one head with the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.support.liveness import certify, end_on_one_head, launch_paced
-from tests.support.local_net import Net, new_net
+from tests.support.liveness import certify, end_on_one_head, paced_net
+from tests.support.local_net import Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 DEADLINE_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
-    net = new_net(tmp_path_factory.mktemp("seed-restart"))
-    try:
-        launch_paced(net, validators=3, deadline_s=DEADLINE_S, max_updates=None)
-        yield net
-    finally:
-        net.close()
+net = paced_net("seed-restart", validators=3, deadline_s=DEADLINE_S, max_updates=None)
 
 
 def _trained_by_all(net: Net, trainers: list[str], after: int) -> int | None:

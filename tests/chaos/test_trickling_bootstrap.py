@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.bad_endpoints import Trickling
-from tests.support.liveness import certify, end_on_one_head, launch_paced
-from tests.support.local_net import VERBOSE_ENV, Net, new_net
+from tests.support.liveness import certify, end_on_one_head, paced_net
+from tests.support.local_net import VERBOSE_ENV, Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -38,14 +38,7 @@ BOOTSTRAP_FIRST = (
 )
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
-    net = new_net(tmp_path_factory.mktemp("trickling-bootstrap"))
-    try:
-        launch_paced(net, validators=2, deadline_s=DEADLINE_S)
-        yield net
-    finally:
-        net.close()
+net = paced_net("trickling-bootstrap", validators=2, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture

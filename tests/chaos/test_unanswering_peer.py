@@ -33,8 +33,8 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.node import NetNode, network_topic
 from p2ptrain.store.blobs import BlobStore
 from tests.support.bad_endpoints import Unanswering
-from tests.support.liveness import certify, end_on_one_head, launch_paced
-from tests.support.local_net import Net, new_net
+from tests.support.liveness import certify, end_on_one_head, paced_net
+from tests.support.local_net import Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -48,14 +48,7 @@ HEALTHY_STRETCH_S = 60.0
 SPREAD_TIMEOUT_S = 20.0
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
-    net = new_net(tmp_path_factory.mktemp("unanswering-peer"))
-    try:
-        launch_paced(net, validators=2, deadline_s=DEADLINE_S)
-        yield net
-    finally:
-        net.close()
+net = paced_net("unanswering-peer", validators=2, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture

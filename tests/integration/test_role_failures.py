@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,17 +130,20 @@ def test_the_trainer_api_raises_when_training_keeps_failing(net: Net) -> None:
     def broken_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError("the loss function is broken")
 
-    # a loss that is always broken fails at once, in the dry run, before anything joins
-    with pytest.raises(LocalError, match=r"failed on the first training batch.*is broken"):
-        Trainer(
+    def api_trainer(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Trainer:
+        return Trainer(
             data_dir=Path(net.workdir) / "api-trainer",
-            experiment=net.network.experiment_id,
-            bootstrap=[seed.address],
+            experiment=str(net.network.experiment_id),
+            bootstrap=[str(seed.address)],
             model=parts.model,
             optimizer=parts.optimizer,
             train_loader=DataLoader(parts.train_dataset, batch_size=parts.batch_size),
-            loss_fn=broken_loss,
+            loss_fn=loss_fn,
         )
+
+    # a loss that is always broken fails at once, in the dry run, before anything joins
+    with pytest.raises(LocalError, match=r"failed on the first training batch.*is broken"):
+        api_trainer(broken_loss)
     calls = [0]
 
     def breaks_after_the_dry_run(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -151,16 +154,7 @@ def test_the_trainer_api_raises_when_training_keeps_failing(net: Net) -> None:
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         )
 
-    trainer = Trainer(
-        data_dir=Path(net.workdir) / "api-trainer",
-        experiment=net.network.experiment_id,
-        bootstrap=[seed.address],
-        model=parts.model,
-        optimizer=parts.optimizer,
-        train_loader=DataLoader(parts.train_dataset, batch_size=parts.batch_size),
-        val_loader=DataLoader(parts.val_dataset, batch_size=64),
-        loss_fn=breaks_after_the_dry_run,
-    )
+    trainer = api_trainer(breaks_after_the_dry_run)
     with pytest.raises(RoleFailed, match="the trainer role failed 3 times in a row") as caught:
         for _outcome in trainer.run():  # until it raises (the module's timeout otherwise)
             pass

@@ -1,5 +1,6 @@
 """What the liveness tests (``tests/chaos``) measure and check on a :class:`Net`.
 
+* :func:`paced_net` -- a module's network fixture: :func:`launch_paced` in a fresh work dir;
 * :func:`chaos_rng` -- the test's random choices, seeded and the seed in every failure;
 * :func:`certify` -- wait until nodes advance a number of windows, within a time that says
   what rate is required, and return how long each took;
@@ -15,9 +16,11 @@ import os
 import random
 import secrets
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from tests.support.local_net import Net, check_one_tip
+import pytest
+
+from tests.support.local_net import Net, check_one_tip, new_net
 
 __all__ = [
     "SEED_ENV",
@@ -27,6 +30,7 @@ __all__ = [
     "end_on_one_head",
     "launch_paced",
     "metrics",
+    "paced_net",
 ]
 
 #: Set to an integer to replay a chaos test's random choices.
@@ -58,6 +62,36 @@ def launch_paced(
         proposal_s=1.0,
         extra_args=list(extra_args),
     )
+
+
+def paced_net(
+    name: str,
+    *,
+    validators: int,
+    deadline_s: float,
+    max_updates: int | None = 3,
+    extra_args: Sequence[str] = (),
+) -> Callable[[pytest.TempPathFactory], Iterator[Net]]:
+    """A module-scoped fixture named ``net`` (assign it to ``net`` in the test module): a
+    network of :func:`launch_paced` in a fresh work dir named ``name``, closed (every
+    process reaped) after the module."""
+
+    @pytest.fixture(scope="module")
+    def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+        network = new_net(tmp_path_factory.mktemp(name))
+        try:
+            launch_paced(
+                network,
+                validators=validators,
+                deadline_s=deadline_s,
+                max_updates=max_updates,
+                extra_args=extra_args,
+            )
+            yield network
+        finally:
+            network.close()
+
+    return net
 
 
 def chaos_rng(net: Net) -> random.Random:

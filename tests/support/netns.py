@@ -24,10 +24,8 @@ import functools
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -35,44 +33,17 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.bench.netns_lab import free_second_octet, ip, namespaces_unavailable
+
 PREFIX = "p2pt"
 TERM_GRACE_S = 3.0
 _LABEL = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
-def _ip(*args: str, ns: str | None = None) -> str:
-    """Run ``ip`` (inside ``ns`` when given); raise RuntimeError with its stderr on failure."""
-    argv = ["ip", *(("-n", ns) if ns is not None else ()), *args]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
 @functools.cache
 def netns_unavailable() -> str | None:
-    """Why this process cannot create network namespaces, or None when it can."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}probe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
-    except RuntimeError as error:
-        return f"cannot create a network namespace: {error}"
-    with contextlib.suppress(RuntimeError):
-        _ip("netns", "del", probe)
-    return None
-
-
-def _used_second_octets() -> set[int]:
-    """Second octets of 10.x addresses and routes already in the root namespace."""
-    text = _ip("-4", "addr", "show") + _ip("-4", "route", "show", "table", "all")
-    return {int(x) for x in re.findall(r"\b10\.(\d{1,3})\.", text)}
+    """Why this process cannot create network namespaces and shape links, or None."""
+    return namespaces_unavailable(("ip", "tc"))
 
 
 class NetnsLab:
@@ -80,10 +51,7 @@ class NetnsLab:
 
     def __init__(self) -> None:
         self.tag = secrets.token_hex(3)[:5]  # names: p2pt + 5 + up to 6 = 15 characters
-        free = sorted(set(range(64, 255)) - _used_second_octets())
-        if not free:
-            raise RuntimeError("no free 10.x.0.0/16 left in the root namespace for a lab")
-        self.second_octet = free[secrets.randbelow(len(free))]
+        self.second_octet = free_second_octet()
         print(f"netns lab {self.tag}: subnets 10.{self.second_octet}.<index>.0/24")
         self._namespaces: list[str] = []
         self._veths: list[tuple[str | None, str]] = []
@@ -108,9 +76,9 @@ class NetnsLab:
         if not _LABEL.fullmatch(label):
             raise ValueError(f"namespace label must be 1-32 of [A-Za-z0-9_-], got {label!r}")
         name = f"{PREFIX}{self.tag}-{label}"
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         self._namespaces.append(name)
-        _ip("link", "set", "lo", "up", ns=name)
+        ip("link", "set", "lo", "up", ns=name)
         return name
 
     def link(self, ns_a: str | None, ns_b: str | None, subnet_index: int) -> tuple[str, str]:
@@ -129,20 +97,20 @@ class NetnsLab:
         args += ["netns", ns_a] if ns_a is not None else []
         args += ["type", "veth", "peer", "name", ends[1][1]]
         args += ["netns", ns_b] if ns_b is not None else []
-        _ip(*args)
+        ip(*args)
         self._veths.append(ends[0])
         addresses = []
         for host, (ns, device) in enumerate(ends, start=1):
             address = f"10.{self.second_octet}.{subnet_index}.{host}"
-            _ip("addr", "add", f"{address}/24", "dev", device, ns=ns)
+            ip("addr", "add", f"{address}/24", "dev", device, ns=ns)
             _never_forward(ns, device)
-            _ip("link", "set", device, "up", ns=ns)
+            ip("link", "set", device, "up", ns=ns)
             addresses.append(address)
         return addresses[0], addresses[1]
 
     def device(self, ns: str | None, address: str) -> str:
         """The name of the veth end in ``ns`` that holds ``address``."""
-        for line in _ip("-o", "-4", "addr", "show", ns=ns).splitlines():
+        for line in ip("-o", "-4", "addr", "show", ns=ns).splitlines():
             fields = line.split()
             if fields[3].split("/")[0] == address:
                 return fields[1]
@@ -194,11 +162,11 @@ class NetnsLab:
                     with contextlib.suppress(OSError):
                         stream.close()
         for ns, device in self._veths:
-            with contextlib.suppress(RuntimeError):
-                _ip("link", "del", device, ns=ns)
+            with contextlib.suppress(OSError):
+                ip("link", "del", device, ns=ns)
         for name in reversed(self._namespaces):
-            with contextlib.suppress(RuntimeError):
-                _ip("netns", "del", name)
+            with contextlib.suppress(OSError):
+                ip("netns", "del", name)
 
 
 def _never_forward(ns: str | None, device: str) -> None:

@@ -29,14 +29,14 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-__all__ = ["NamespaceLab", "namespaces_unavailable"]
+__all__ = ["NamespaceLab", "free_second_octet", "ip", "namespaces_unavailable"]
 
 _PREFIX = "p2pc"
 _MAIN_BRIDGE = "main"
 _CUT_BRIDGE = "cut"
 
 
-def _ip(*args: str, ns: str | None = None) -> str:
+def ip(*args: str, ns: str | None = None) -> str:
     """Run ``ip`` (inside ``ns`` when given); raise OSError with its stderr on failure."""
     argv = ["ip", *(("-n", ns) if ns is not None else ()), *args]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -45,26 +45,29 @@ def _ip(*args: str, ns: str | None = None) -> str:
     return done.stdout
 
 
-def namespaces_unavailable() -> str | None:
-    """Why this process cannot build a lab (None when it can)."""
+def namespaces_unavailable(tools: Sequence[str] = ("ip",)) -> str | None:
+    """Why this process cannot build a lab with ``tools`` (iproute2's), or None."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "`ip` (iproute2) is not installed"
+    for tool in tools:
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
     probe = f"{_PREFIX}probe{os.getpid()}"
     try:
-        _ip("netns", "add", probe)
+        ip("netns", "add", probe)
     except OSError as error:
         return f"cannot create a network namespace: {error}"
     with contextlib.suppress(OSError):
-        _ip("netns", "del", probe)
+        ip("netns", "del", probe)
     return None
 
 
-def _free_second_octet() -> int:
-    text = _ip("-4", "addr", "show") + _ip("-4", "route", "show", "table", "all")
+def free_second_octet() -> int:
+    """A random ``x`` in 64..254 such that no address or route of the root namespace is in
+    ``10.x.0.0/16``: a lab's subnets there cannot clash with the machine's."""
+    text = ip("-4", "addr", "show") + ip("-4", "route", "show", "table", "all")
     used = {int(x) for x in re.findall(r"\b10\.(\d{1,3})\.", text)}
     free = sorted(set(range(64, 255)) - used)
     if not free:
@@ -87,34 +90,34 @@ class NamespaceLab:
         self.cut_off: tuple[str, ...] = ()
         atexit.register(self.close)
         try:
-            self._build(_free_second_octet())
+            self._build(free_second_octet())
         except BaseException:
             self.close()
             raise
 
     def _new_namespace(self, label: str) -> str:
         name = f"{_PREFIX}{self.tag}-{label}"
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         self._namespaces.append(name)
-        _ip("link", "set", "lo", "up", ns=name)
+        ip("link", "set", "lo", "up", ns=name)
         return name
 
     def _build(self, second_octet: int) -> None:
         switch = self._new_namespace("switch")
         for bridge in (_MAIN_BRIDGE, _CUT_BRIDGE):
-            _ip("link", "add", bridge, "type", "bridge", ns=switch)
-            _ip("link", "set", bridge, "up", ns=switch)
+            ip("link", "add", bridge, "type", "bridge", ns=switch)
+            ip("link", "set", bridge, "up", ns=switch)
         self._switch = switch
         for index, host in enumerate(self.hosts, start=1):
             ns = self._new_namespace(f"h{index}")
             device, port = f"{_PREFIX}{self.tag}h{index}", f"{_PREFIX}{self.tag}p{index}"
-            _ip("link", "add", device, "netns", ns, "type", "veth", "peer", "name", port,
+            ip("link", "add", device, "netns", ns, "type", "veth", "peer", "name", port,
                 "netns", switch)  # fmt: skip
             address = f"10.{second_octet}.0.{index}"
-            _ip("addr", "add", f"{address}/24", "dev", device, ns=ns)
-            _ip("link", "set", device, "up", ns=ns)
-            _ip("link", "set", port, "master", _MAIN_BRIDGE, ns=switch)
-            _ip("link", "set", port, "up", ns=switch)
+            ip("addr", "add", f"{address}/24", "dev", device, ns=ns)
+            ip("link", "set", device, "up", ns=ns)
+            ip("link", "set", port, "master", _MAIN_BRIDGE, ns=switch)
+            ip("link", "set", port, "up", ns=switch)
             self.namespace[host], self.address[host], self._port[host] = ns, address, port
 
     def command_prefix(self, host: str) -> list[str]:
@@ -126,12 +129,12 @@ class NamespaceLab:
         """Partition ``hosts`` from the others (heal first if a partition is on)."""
         self.heal()
         for host in hosts:
-            _ip("link", "set", self._port[host], "master", _CUT_BRIDGE, ns=self._switch)
+            ip("link", "set", self._port[host], "master", _CUT_BRIDGE, ns=self._switch)
         self.cut_off = tuple(hosts)
 
     def heal(self) -> None:
         for host in self.cut_off:
-            _ip("link", "set", self._port[host], "master", _MAIN_BRIDGE, ns=self._switch)
+            ip("link", "set", self._port[host], "master", _MAIN_BRIDGE, ns=self._switch)
         self.cut_off = ()
 
     def close(self) -> None:
@@ -142,7 +145,7 @@ class NamespaceLab:
         atexit.unregister(self.close)
         for name in reversed(self._namespaces):
             with contextlib.suppress(OSError):
-                _ip("netns", "del", name)
+                ip("netns", "del", name)
 
     def __enter__(self) -> NamespaceLab:
         return self

@@ -322,7 +322,7 @@ def _summarise(
     import torch
 
     from p2ptrain.data.shards import lease_indices
-    from p2ptrain.node.export import canonical_weights, export_checkpoint
+    from p2ptrain.node.export import canonical_weights, export_checkpoint, export_hf
     from p2ptrain.node.status import read_status
     from p2ptrain.node.trainer_runner import window_seed
     from p2ptrain.protocol.leases import lease_for
@@ -334,7 +334,7 @@ def _summarise(
 
     seed_dir = network.workdir / "seed"
     checkpoint = network.workdir / "model.safetensors"
-    exported = export_checkpoint(seed_dir, checkpoint)
+    exported = export_checkpoint(seed_dir, checkpoint, workload=experiment.code)
     manifest, experiment_id, height, _head, weights = canonical_weights(seed_dir)
     torch.set_num_threads(2)
     workload = build()
@@ -354,7 +354,7 @@ def _summarise(
         "bytes_per_trainer": int(sum(sent) / len(sent)),
         "ddp_bytes_per_trainer": ddp_bytes_per_worker(parameters, steps, len(trainers)),
         "checkpoint": exported["checkpoint"],
-        "export_hf": _export_hf(seed_dir, network.workdir / "model-hf", experiment.code),
+        "export_hf": None,
         "workload": experiment.code,
         "parameters": parameters,
         "trainers": len(trainers),
@@ -375,20 +375,13 @@ def _summarise(
         )
         summary["baseline_val_loss"] = round(baseline, 4)
         summary["val_loss_ratio"] = round(val_loss / baseline, 4)
+    if hasattr(getattr(workload, "model", None), "save_pretrained"):  # a Hugging Face model
+        out = network.workdir / "model-hf"
+        summary["export_hf"] = export_hf(seed_dir, out, workload=experiment.code)["directory"]
     summary["bytes_ratio"] = round(
         summary["ddp_bytes_per_trainer"] / max(1, summary["bytes_per_trainer"]), 1
     )
     return summary
-
-
-def _export_hf(data_dir: Path, out: Path, code: str) -> str | None:
-    """The certified model as a Hugging Face directory, when the workload is a Hugging Face
-    model (None otherwise)."""
-    from p2ptrain.node.export import export_hf, exports_hf
-
-    if not exports_hf(data_dir, code):
-        return None
-    return str(export_hf(data_dir, out, workload=code)["directory"])
 
 
 def _print_summary(summary: dict[str, Any], console: Any) -> None:

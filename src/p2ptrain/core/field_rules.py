@@ -18,6 +18,14 @@ MAX_TEXT_CHARS = 1024
 MAX_ADDRESS_CHARS = 256
 
 
+def name_from(text: str, *, limit: int, fallback: str) -> str:
+    """``text`` made into a name :func:`check_name` accepts: other than ASCII letters,
+    digits, '.', '_' and '-' becomes '-', leading and trailing separators go, at most
+    ``limit`` characters (``fallback`` when nothing is left)."""
+    kept = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in text)
+    return (kept.strip("._-") or fallback)[:limit]
+
+
 def check_hex_id(field: str, value: str) -> None:
     """A SHA-256 id: exactly 64 lowercase hex characters."""
     if not _HEX64.fullmatch(value):

@@ -32,7 +32,7 @@ from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.node.events import Evaluated, NodeEvent, RoleFailure
+from p2ptrain.node.events import Evaluated, NodeEvent
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import METRICS_KIND
 from p2ptrain.node.services import PeerServices
@@ -183,26 +183,9 @@ class HeadEvaluator:
 
     def _failed(self, height: int, exc: Exception) -> RoleFailed | None:
         self.last_reason = f"head {height}: evaluation failed: {type(exc).__name__}"
-        error = self.failures.failed(self.role, height, EVALUATE_STEP, exc)
-        try:
-            self.emit(
-                RoleFailure(
-                    peer_id=self.services.peer_id,
-                    role=self.role,
-                    window=error.window,
-                    step=EVALUATE_STEP,
-                    error=error.error,
-                    message=error.message,
-                    failures=self.failures.in_a_row(self.role),
-                    limit=self.failures.limit,
-                )
-            )
-        except Exception:  # telling failed too (a closed stdout): the record stays
-            logger.exception("%s: the role_error event could not be sent", self.role)
-        fatal = self.failures.exhausted(self.role)
-        if fatal is not None:
-            fatal.__cause__ = exc
-        return fatal
+        return self.failures.report(
+            self.role, height, EVALUATE_STEP, exc, peer_id=self.services.peer_id, emit=self.emit
+        )
 
     def state(self) -> RoleState:
         return RoleState(

@@ -13,6 +13,7 @@ and sets the loss beside the metrics reports stored for it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +23,51 @@ from safetensors.torch import save
 
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.records import MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
-from p2ptrain.node.persist import NodeStore, median_val_loss
+from p2ptrain.node.persist import NodeStore
 from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.protocol.metrics import median
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.torch.workload import TorchWorkload, Workload
 
 __all__ = [
+    "VerifiedHead",
     "canonical_weights",
     "evaluate_stored_head",
     "export_checkpoint",
     "export_hf",
     "export_workload",
-    "exports_hf",
+    "verified_head",
 ]
 
 
-def canonical_weights(
-    data_dir: Path, head_id: str | None = None
-) -> tuple[ExperimentManifest, str, int, str, dict[str, torch.Tensor]]:
-    """(manifest, experiment id, height, head id, weights) of the verified tip, or of the
-    head ``head_id`` of the verified stored chain (a LocalError if it holds no such head)."""
+@dataclass(frozen=True)
+class VerifiedHead:
+    """A head of a data directory's stored chain, verified from genesis, with what an
+    export or an evaluation reports about it."""
+
+    manifest: ExperimentManifest
+    experiment_id: str
+    height: int
+    head_id: str
+    weights: dict[str, torch.Tensor]
+    #: Public keys (hex) of the validators whose certificate the head carries.
+    signers: tuple[str, ...]
+    #: The metrics reports stored for the head.
+    reports: tuple[MetricsReport, ...]
+
+    def validation(self) -> dict[str, Any]:
+        """The median validation loss evaluators reported, and how many did."""
+        losses = [report.loss for report in self.reports]
+        return {"median_loss": median(losses), "reports": len(losses)}
+
+
+def verified_head(data_dir: Path, head_id: str | None = None) -> VerifiedHead:
+    """The verified tip of ``data_dir``'s stored chain, or its head ``head_id`` (a
+    LocalError if it holds no such head)."""
     if not (data_dir / "node.db").exists():
         raise LocalError(f"{data_dir} is not a node's data directory (no node.db)")
     with DataDir(data_dir) as datadir:
@@ -81,7 +104,26 @@ def canonical_weights(
             weights = decode_state_dict(blob, expected_schema=manifest.workload.schema_hash)
         except (OSError, ProtocolViolation) as exc:
             raise LocalError(f"the weights of head {tip.head_id[:12]} are unusable: {exc}") from exc
-        return manifest, experiment_id, tip.head.height, tip.head_id, weights
+        certificate = tip.certificate
+        return VerifiedHead(
+            manifest=manifest,
+            experiment_id=experiment_id,
+            height=tip.head.height,
+            head_id=tip.head_id,
+            weights=weights,
+            signers=tuple(
+                s.validator.hex() for s in (certificate.signatures if certificate else ())
+            ),
+            reports=tuple(store.reports_for(tip.head_id)),
+        )
+
+
+def canonical_weights(
+    data_dir: Path, head_id: str | None = None
+) -> tuple[ExperimentManifest, str, int, str, dict[str, torch.Tensor]]:
+    """(manifest, experiment id, height, head id, weights) of :func:`verified_head`."""
+    head = verified_head(data_dir, head_id)
+    return head.manifest, head.experiment_id, head.height, head.head_id, head.weights
 
 
 def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None) -> dict[str, Any]:
@@ -89,7 +131,11 @@ def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None)
     (built in, installed, or ``workload`` given), the file holds the model's whole state
     dict (tied weights as copies, persistent buffers), so that
     ``model.load_state_dict(load_file(out), strict=True)`` loads it; else the parameters."""
-    manifest, experiment_id, height, head_id, weights = canonical_weights(data_dir)
+    head = verified_head(data_dir)
+    manifest, experiment_id, height, head_id = (
+        head.manifest, head.experiment_id, head.height, head.head_id
+    )  # fmt: skip
+    weights = head.weights
     built = export_workload(manifest, workload)
     if isinstance(built, TorchWorkload):
         weights = built.full_state_dict(weights)
@@ -114,7 +160,7 @@ def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None)
         "outer_optimizer": msgspec.to_builtins(manifest.outer_optimizer),
         "codec": msgspec.to_builtins(manifest.codec),
         "aggregation": msgspec.to_builtins(manifest.aggregation),
-        "validation": _validation(data_dir, head_id),
+        "validation": head.validation(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     config_path = out.with_suffix(".json")
@@ -128,15 +174,6 @@ def export_checkpoint(data_dir: Path, out: Path, *, workload: str | None = None)
         "height": height,
         "head_id": head_id,
     }
-
-
-def _tip_signers(data_dir: Path, experiment_id: str, head_id: str) -> list[str]:
-    """The public keys (hex) of the validators whose certificate the tip carries."""
-    with DataDir(data_dir) as datadir:
-        for _head, certificate in reversed(NodeStore(datadir).links(experiment_id)):
-            if certificate.head_id == head_id:
-                return [s.validator.hex() for s in certificate.signatures]
-    return []
 
 
 def export_workload(manifest: ExperimentManifest, given: str | None) -> Workload | None:
@@ -153,21 +190,13 @@ def export_workload(manifest: ExperimentManifest, given: str | None) -> Workload
         return None
 
 
-def exports_hf(data_dir: Path, given: str | None = None) -> bool:
-    """Whether the experiment in ``data_dir`` trains a Hugging Face model this machine can
-    build (so ``export_hf`` can write it)."""
-    manifest, *_ = canonical_weights(data_dir)
-    workload = export_workload(manifest, given)
-    model = getattr(workload, "model", None)
-    return model is not None and hasattr(model, "save_pretrained")
-
-
 def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict[str, Any]:
     """The certified tip as a ``save_pretrained`` directory (config.json, model.safetensors,
     generation config, the vocabulary, a model card): ``from_pretrained(out)`` loads it."""
     from p2ptrain.torch.hf_export import write_hf_export
 
-    manifest, experiment_id, height, head_id, weights = canonical_weights(data_dir)
+    head = verified_head(data_dir)
+    manifest = head.manifest
     built = export_workload(manifest, workload)
     if not isinstance(built, TorchWorkload):
         raise LocalError(
@@ -177,36 +206,27 @@ def export_hf(data_dir: Path, out: Path, *, workload: str | None = None) -> dict
         )
     card: dict[str, Any] = {
         "experiment": f"{manifest.study}/{manifest.name} (revision {manifest.revision})",
-        "experiment_id": experiment_id,
-        "head_id": head_id,
-        "height": height,
-        "certified_by": ", ".join(
-            key[:16] for key in _tip_signers(data_dir, experiment_id, head_id)
-        ),
+        "experiment_id": head.experiment_id,
+        "head_id": head.head_id,
+        "height": head.height,
+        "certified_by": ", ".join(key[:16] for key in head.signers),
         "workload": manifest.workload.reference or manifest.workload.name,
         "inner_steps": manifest.inner_steps,
     }
-    validation = _validation(data_dir, head_id)
+    validation = head.validation()
     card["validation_loss"] = (
         "no evaluator reported yet"
         if validation["median_loss"] is None
         else f"{validation['median_loss']:.4f} (median of {validation['reports']} reports)"
     )
-    paths = write_hf_export(built, weights, out, card)
+    paths = write_hf_export(built, head.weights, out, card)
     return {
         "directory": str(out),
         "files": paths,
-        "experiment_id": experiment_id,
-        "height": height,
-        "head_id": head_id,
+        "experiment_id": head.experiment_id,
+        "height": head.height,
+        "head_id": head.head_id,
     }
-
-
-def _validation(data_dir: Path, head_id: str) -> dict[str, Any]:
-    """The median validation loss evaluators reported for the head, and how many did."""
-    with DataDir(data_dir) as datadir:
-        loss, reports = median_val_loss(NodeStore(datadir), head_id)
-    return {"median_loss": loss, "reports": reports}
 
 
 def evaluate_stored_head(
@@ -217,12 +237,10 @@ def evaluate_stored_head(
     from p2ptrain.node.evaluator import evaluate_head
     from p2ptrain.node.workload_check import experiment_workload
 
-    manifest, experiment_id, height, head, weights = canonical_weights(data_dir, head_id)
+    head = verified_head(data_dir, head_id)
     torch.set_num_threads(threads)
-    built = experiment_workload(manifest, workload)
-    loss, perplexity, samples = evaluate_head(built, weights)
-    with DataDir(data_dir) as datadir:
-        stored = NodeStore(datadir).reports_for(head)
+    built = experiment_workload(head.manifest, workload)
+    loss, perplexity, samples = evaluate_head(built, head.weights)
     reports = [
         {
             "evaluator": report.evaluator.hex(),
@@ -231,12 +249,12 @@ def evaluate_stored_head(
             "difference": report.loss - loss,
             "samples": report.samples,
         }
-        for report in sorted(stored, key=lambda r: r.evaluator)
+        for report in sorted(head.reports, key=lambda r: r.evaluator)
     ]
     return {
-        "experiment_id": experiment_id,
-        "height": height,
-        "head_id": head,
+        "experiment_id": head.experiment_id,
+        "height": head.height,
+        "head_id": head.head_id,
         "loss": loss,
         "perplexity": perplexity,
         "samples": samples,

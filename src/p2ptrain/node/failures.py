@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import NodeEvent, RoleFailure
 from p2ptrain.node.status import RoleError
 
 __all__ = ["DEFAULT_MAX_FAILURES", "FailureBook", "RoleFailed"]
@@ -78,6 +80,39 @@ class FailureBook:
         self.recent.append(error)
         self._in_a_row.setdefault(role, []).append(error)
         return error
+
+    def report(
+        self,
+        role: str,
+        window: int,
+        step: str,
+        exc: BaseException,
+        *,
+        peer_id: str,
+        emit: Callable[[NodeEvent], None],
+    ) -> RoleFailed | None:
+        """Record ``exc`` (:meth:`failed`), tell ``emit`` (a ``role_error`` event), and
+        return the error that ends the node once ``role`` failed too often in a row (its
+        cause: ``exc``), else None."""
+        error = self.failed(role, window, step, exc)
+        event = RoleFailure(
+            peer_id=peer_id,
+            role=role,
+            window=error.window,
+            step=step,
+            error=error.error,
+            message=error.message,
+            failures=self.in_a_row(role),
+            limit=self.limit,
+        )
+        try:
+            emit(event)
+        except Exception:  # telling failed too (a closed stdout): the record stays
+            logger.exception("%s: the role_error event could not be sent", role)
+        fatal = self.exhausted(role)
+        if fatal is not None:
+            fatal.__cause__ = exc
+        return fatal
 
     def succeeded(self, role: str) -> None:
         self._in_a_row.pop(role, None)

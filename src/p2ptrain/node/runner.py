@@ -27,7 +27,7 @@ from typing import Any
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
-from p2ptrain.node.events import NodeEvent, RoleFailure
+from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState, TrainerWindow
@@ -155,24 +155,10 @@ class RoleRunner:
                 self.failures.succeeded(self.role)
 
     def failed(self, step: str, window: int, exc: BaseException) -> None:
-        error = self.failures.failed(self.role, window, step, exc)
-        event = RoleFailure(
-            peer_id=self.services.peer_id,
-            role=self.role,
-            window=error.window,
-            step=step,
-            error=error.error,
-            message=error.message,
-            failures=self.failures.in_a_row(self.role),
-            limit=self.failures.limit,
+        fatal = self.failures.report(
+            self.role, window, step, exc, peer_id=self.services.peer_id, emit=self.emit
         )
-        try:
-            self.emit(event)
-        except Exception:  # telling failed too (a closed stdout): the record stays
-            logger.exception("%s: the role_error event could not be sent", self.role)
-        fatal = self.failures.exhausted(self.role)
         if fatal is not None and self._fatal is None:
-            fatal.__cause__ = exc
             self._fatal = fatal
             self._ended.set()
 

@@ -30,7 +30,6 @@ from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.net.gossip import CERTIFICATE_KIND
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.events import NodeEvent, PeerReported
@@ -133,9 +132,6 @@ class PeerServices:
         sent before, and goes to every neighbour once more)."""
         data = encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
         self.net.publish(self.topic, kind, bytes(data), again=again)
-
-    def publish_certificate(self, head: Head, certificate: QuorumCertificate) -> None:
-        self.publish(CERTIFICATE_KIND, CertifiedLink(head=head, certificate=certificate))
 
     def remember(self, signed: Signed[Any], kind: str, height: int) -> None:
         """Keep a signed record peers may ask for by id (nodes that serve)."""

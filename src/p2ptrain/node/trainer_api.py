@@ -118,7 +118,6 @@ class Trainer:
         One forward and backward pass on one batch runs here, before anything joins, so a
         mistake in the model, the loss or the data fails at once, in words."""
         reference = workload if isinstance(workload, str) else None
-        self._dry_run_done = False
         self._settings: dict[str, Any] = {
             "data_dir": Path(data_dir),
             "roles": ("trainer", *roles),
@@ -145,14 +144,12 @@ class Trainer:
                 )
             # the dry run: the loaders' own sizes stand in for the experiment's shards
             self._from_loaders(samples_per_shard=1, name="dry-run").dry_run()
-            self._dry_run_done = True
         elif model is not None or train_loader is not None:
             raise LocalError("give workload=... or model/optimizer/loaders, not both")
         elif self._given is not None:
             dry_run = getattr(self._given, "dry_run", None)
             if callable(dry_run):
                 dry_run()
-                self._dry_run_done = True
 
     def _from_loaders(self, *, samples_per_shard: int, name: str) -> TorchWorkload:
         model, optimizer, train_loader, val_loader, loss_fn, batch_loss = self._parts
@@ -194,7 +191,8 @@ class Trainer:
                     workload=self._workload,
                     on_event=events.put,
                     on_node=nodes.append,
-                    dry_run=not self._dry_run_done,
+                    # done here already, unless the workload is code only the node builds
+                    dry_run=self._settings["workload"] is not None,
                 )
             except BaseException as exc:  # handed to the caller's thread
                 events.put(exc)

@@ -291,11 +291,6 @@ class Participant(Follower):
     def tick(self, now: float) -> list[Action]:
         return self._advance(now)
 
-    def provide_updates(self, update_ids: Sequence[str]) -> list[Submission]:
-        """The updates a peer asked for (:class:`FetchUpdates`), those we hold."""
-        updates = self._window.updates
-        return [updates[i] for i in update_ids if i in updates]
-
     # --- deciding ------------------------------------------------------------------------
 
     def _cohort(self) -> list[Submission]:

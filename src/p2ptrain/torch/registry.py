@@ -34,6 +34,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.core.field_rules import name_from
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.char_gpt import char_gpt_workload
 from p2ptrain.torch.hf_causal_lm import hf_causal_lm_workload  # imports transformers lazily
@@ -88,11 +89,6 @@ def is_reference(text: str) -> bool:
     return ":" in text
 
 
-def is_built_in(name: str) -> bool:
-    """Whether ``name`` is a workload p2ptrain itself ships (it runs no user code)."""
-    return name in _BUILT_IN
-
-
 def reference_name(reference: str) -> str:
     """A manifest-safe name for a reference: ``examples/hf_gpt2/workload.py:workload`` ->
     ``hf_gpt2.workload`` (folder, file, and the factory unless it is the file's name);
@@ -106,10 +102,7 @@ def reference_name(reference: str) -> str:
         parts = where.split(".")
     if attr != parts[-1]:
         parts.append(attr)
-    name = ".".join(p for p in parts if p)
-    cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in name)
-    cleaned = cleaned.strip("._-")
-    return cleaned[:64] or "workload"
+    return name_from(".".join(p for p in parts if p), limit=64, fallback="workload")
 
 
 def _load_file(path: Path, reference: str) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2ptrain.core.field_rules import name_from
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.workload import TorchWorkload
 
@@ -34,12 +35,6 @@ PARTS = (
     "name",
     "val_batches",
 )
-
-
-def _dataset_name(where: str) -> str:
-    attr = where.rpartition(":")[2]
-    kept = "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in attr)
-    return (kept.strip("._-") or "dataset")[:48]
 
 
 def workload_from_parts(parts: Mapping[str, Any], *, where: str) -> TorchWorkload:
@@ -79,7 +74,9 @@ def workload_from_parts(parts: Mapping[str, Any], *, where: str) -> TorchWorkloa
         parts["val"],
         batch_size=batch_size,
         samples_per_shard=int(parts.get("samples_per_shard", 64)),
-        name=str(parts.get("name") or _dataset_name(where)),
+        name=str(
+            parts.get("name") or name_from(where.rpartition(":")[2], limit=48, fallback="dataset")
+        ),
         batch_loss=loss,
         collate_fn=parts.get("collate"),
         val_batches=int(parts.get("val_batches", 8)),
