@@ -16,12 +16,16 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 ADMISSION_POLICIES = ("open", "certificate")
 TRAINING_PROTOCOLS = ("diloco", "fedavg")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
+#: How trainers get a lease's samples (docs/data.md): ``indexed`` -- from a map-style dataset
+#: every trainer holds; ``sharded`` -- from prepared shard files fetched from peers by hash;
+#: ``generated`` -- made from the lease, no data moves; ``custom`` -- a user callback.
+DATA_KINDS = ("indexed", "sharded", "generated", "custom")
 UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk", "lowrank")
 AGGREGATION_RULES = (
     "mean",
@@ -35,6 +39,8 @@ AGGREGATION_RULES = (
 MAX_CONFIG_ENTRIES = 64
 MAX_VALIDATORS = 256
 MAX_SHARDS = 100_000
+#: The largest shard file of a ``sharded`` dataset (a shard is fetched whole).
+MAX_SHARD_BYTES = 1 << 30
 
 ConfigValue = str | int | float | bool
 Config = dict[str, ConfigValue]
@@ -75,7 +81,12 @@ class NetworkManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def __post_init__(self) -> None:
         rules.check_name("name", self.name)
         rules.check_public_key("authority", self.authority)
-        rules.check_int("protocol_version", self.protocol_version, 1, PROTOCOL_VERSION)
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise InvalidRecord(
+                "protocol_version",
+                f"is {self.protocol_version}; this p2ptrain speaks protocol {PROTOCOL_VERSION} "
+                "only (leases changed in 2): run the same p2ptrain version as the network",
+            )
         rules.check_count("bootstrap", self.bootstrap, 0, 64)
         for i, address in enumerate(self.bootstrap):
             rules.check_address(f"bootstrap[{i}]", address)
@@ -130,26 +141,45 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class ShardInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One data shard: a name, the blob holding its bytes and its sample count."""
+    """One data shard: a name, its content hash and its sample count. For a ``sharded``
+    dataset ``blob_id`` is the blob holding the shard file and ``bytes`` its size; for the
+    other kinds ``blob_id`` hashes the shard's samples (or what generates them) and ``bytes``
+    is 0."""
 
     name: str
     blob_id: str
     samples: int
+    bytes: int = 0
 
     def __post_init__(self) -> None:
         rules.check_name("dataset.shards.name", self.name)
         rules.check_hex_id("dataset.shards.blob_id", self.blob_id)
         rules.check_int("dataset.shards.samples", self.samples, 1)
+        rules.check_int("dataset.shards.bytes", self.bytes, 0, MAX_SHARD_BYTES)
 
 
 class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
     shards: tuple[ShardInfo, ...]
+    kind: str = "indexed"
 
     def __post_init__(self) -> None:
         rules.check_name("dataset.name", self.name)
         rules.check_count("dataset.shards", self.shards, 1, MAX_SHARDS)
         rules.check_sorted_unique("dataset.shards", [s.name for s in self.shards])
+        rules.check_choice("dataset.kind", self.kind, DATA_KINDS)
+        if self.kind == "sharded":
+            for shard in self.shards:
+                if shard.bytes < 1:
+                    raise InvalidRecord(
+                        "dataset.shards.bytes",
+                        f"shard {shard.name!r} of a sharded dataset must give its size in bytes",
+                    )
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every shard file (0 unless the dataset is ``sharded``)."""
+        return sum(s.bytes for s in self.shards)
 
     @property
     def total_samples(self) -> int:
