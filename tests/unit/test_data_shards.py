@@ -102,16 +102,27 @@ def _dataset() -> DatasetManifest:
     )
 
 
-def test_lease_indices_take_the_first_samples_of_each_part_in_lease_order() -> None:
-    lease = Lease(window=1, peer_id="p", parts=(("d-00002", 2), ("d-00000", 4), ("d-00001", 3)))
-    assert lease_indices(_dataset(), lease) == [8, 9, 0, 1, 2, 3, 4, 5, 6]
+def test_lease_indices_take_each_part_from_its_start_in_lease_order() -> None:
+    lease = Lease(
+        window=1, peer_id="p", parts=(("d-00002", 0, 2), ("d-00000", 1, 3), ("d-00001", 0, 4))
+    )
+    assert lease_indices(_dataset(), lease) == [8, 9, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_lease_indices_wrap_around_the_end_of_a_shard() -> None:
+    lease = Lease(window=1, peer_id="p", parts=(("d-00001", 3, 3), ("d-00002", 1, 2)))
+    assert lease_indices(_dataset(), lease) == [7, 4, 5, 9, 8]
 
 
 def test_lease_indices_reject_unknown_shards_and_oversized_parts() -> None:
     with pytest.raises(LocalError, match="recompute it with lease_for"):
-        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("other-00000", 1),)))
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("other-00000", 0, 1),)))
     with pytest.raises(LocalError, match="holds 2"):
-        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("d-00002", 3),)))
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("d-00002", 0, 3),)))
+    with pytest.raises(LocalError, match="starts at sample 2 of shard 'd-00002', which holds 2"):
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("d-00002", 2, 1),)))
+    with pytest.raises(LocalError, match="starts at sample -1"):
+        lease_indices(_dataset(), Lease(window=1, peer_id="p", parts=(("d-00000", -1, 1),)))
 
 
 def test_plain_text_strips_the_markdown() -> None:

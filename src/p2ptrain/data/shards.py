@@ -7,8 +7,9 @@ its ``blob_id`` is the SHA-256 of the shard's samples in a canonical byte form. 
 whose local copies of the data differ therefore compute different manifests, and notice
 before they train on different data under the same name.
 
-A lease (:mod:`p2ptrain.protocol.leases`) names ``(shard, count)`` parts: the first ``count``
-samples of each shard. :func:`lease_indices` turns those parts into dataset indices.
+A lease (:mod:`p2ptrain.protocol.leases`) names ``(shard, start, count)`` parts: ``count``
+consecutive samples of the shard from ``start`` on, wrapping around the shard's end.
+:func:`lease_indices` turns those parts into dataset indices.
 
 Canonical sample bytes
 ----------------------
@@ -165,16 +166,17 @@ def dataset_manifest(dataset: MapDataset, *, name: str, samples_per_shard: int) 
 
 
 def lease_indices(dataset: DatasetManifest, lease: Lease) -> list[int]:
-    """The dataset indices a lease names: for each part ``(shard, count)`` in lease order,
-    the first ``count`` indices of that shard (shards start at the cumulative sample counts
-    of the shards before them in manifest order)."""
+    """The dataset indices a lease names: for each part ``(shard, start, count)`` in lease
+    order, the shard's indices ``start, start + 1, ...`` (``count`` of them, wrapping around
+    to the shard's first index after its last); shards start at the cumulative sample counts
+    of the shards before them in manifest order."""
     starts: dict[str, tuple[int, int]] = {}
     offset = 0
     for shard in dataset.shards:
         starts[shard.name] = (offset, shard.samples)
         offset += shard.samples
     indices: list[int] = []
-    for shard_name, count in lease.parts:
+    for shard_name, start, count in lease.parts:
         found = starts.get(shard_name)
         if found is None:
             raise LocalError(
@@ -182,11 +184,19 @@ def lease_indices(dataset: DatasetManifest, lease: Lease) -> list[int]:
                 "not have: the lease was computed for another experiment's dataset; recompute it "
                 "with lease_for() on this experiment's manifest"
             )
-        start, samples = found
+        first, samples = found
         if not 0 <= count <= samples:
             raise LocalError(
                 f"the lease takes {count} samples of shard {shard_name!r}, which holds "
                 f"{samples}; recompute the lease with lease_for() on this experiment's manifest"
             )
-        indices.extend(range(start, start + count))
+        if not 0 <= start < samples:
+            raise LocalError(
+                f"the lease starts at sample {start} of shard {shard_name!r}, which holds "
+                f"{samples} (0 to {samples - 1}); recompute the lease with lease_for() on this "
+                "experiment's manifest"
+            )
+        head = min(count, samples - start)
+        indices.extend(range(first + start, first + start + head))
+        indices.extend(range(first, first + count - head))
     return indices

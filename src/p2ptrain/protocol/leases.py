@@ -1,11 +1,17 @@
 """Leases: which samples a trainer trains on in a window, computed rather than granted.
 
 For a trainer ``p`` and window ``w`` every shard ``s`` of the experiment's dataset gets the
-score ``SHA-256("p2ptrain/v1/lease" 0 experiment 0 w 0 s 0 p)`` (rendezvous hashing); the
-trainer takes shards in ascending score order until it holds ``lease_size`` samples, the
-first samples of each shard and only as many of the last shard as it needs. Anyone can
-recompute a lease, so a trainer cannot choose its data and nobody has to hand leases out;
-changing the window reshuffles every trainer's data.
+score ``SHA-256("p2ptrain/v2/lease" 0 experiment 0 w 0 s 0 p)`` (rendezvous hashing); the
+trainer takes shards in ascending score order until it holds ``lease_size`` samples: every
+sample of each shard but the last, and of the last only as many as it needs. Those are
+``count`` consecutive samples from ``start``, wrapping around the end of the shard, where
+``start`` is ``SHA-256("p2ptrain/v2/lease-start" 0 experiment 0 w 0 s 0 p)`` read as a
+256-bit big-endian integer, modulo the shard's sample count (a shard taken whole starts at
+0). So every sample of a shard is as likely to be leased as any other, and a lease smaller
+than a shard still reaches all of it over the windows.
+
+Anyone can recompute a lease, so a trainer cannot choose its data and nobody has to hand
+leases out; changing the window reshuffles every trainer's data.
 """
 
 from __future__ import annotations
@@ -18,35 +24,43 @@ from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Update
 from p2ptrain.errors import LocalError
 
-__all__ = ["Lease", "LeaseBook", "check_lease", "lease_for"]
+__all__ = ["Lease", "LeaseBook", "check_lease", "lease_for", "lease_start"]
 
-_DOMAIN = b"p2ptrain/v1/lease"
+_DOMAIN = b"p2ptrain/v2/lease"
+_START_DOMAIN = b"p2ptrain/v2/lease-start"
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A trainer's data for one window: ``parts`` are (shard name, samples taken from the
-    start of that shard) in rendezvous order; ``samples`` is their total."""
+    """A trainer's data for one window: ``parts`` are (shard name, start, count) in
+    rendezvous order, each the ``count`` samples of that shard from index ``start`` on,
+    wrapping around its end; ``samples`` is their total."""
 
     window: int
     peer_id: str
-    parts: tuple[tuple[str, int], ...]
+    parts: tuple[tuple[str, int, int], ...]
 
     @property
     def samples(self) -> int:
-        return sum(count for _, count in self.parts)
+        return sum(count for _, _, count in self.parts)
 
     @property
     def shards(self) -> tuple[str, ...]:
         """The shard names, sorted (as an :class:`Update` lists them)."""
-        return tuple(sorted(name for name, _ in self.parts))
+        return tuple(sorted(name for name, _, _ in self.parts))
 
 
-def _score(experiment_id: str, window: int, shard: str, peer_id: str) -> bytes:
-    message = b"\0".join(
-        [_DOMAIN, experiment_id.encode(), str(window).encode(), shard.encode(), peer_id.encode()]
-    )
-    return hashlib.sha256(message).digest()
+def _prefix(domain: bytes, experiment_id: str, window: int) -> hashlib._Hash:
+    """SHA-256 fed ``domain 0 experiment 0 window 0``, to be copied for each shard."""
+    return hashlib.sha256(b"\0".join([domain, experiment_id.encode(), str(window).encode(), b""]))
+
+
+def lease_start(experiment_id: str, window: int, shard: str, peer_id: str, samples: int) -> int:
+    """Where trainer ``peer_id``'s part of a shard of ``samples`` samples starts in
+    ``window`` when it takes only some of them (see the module docstring)."""
+    digest = _prefix(_START_DOMAIN, experiment_id, window)
+    digest.update(shard.encode() + b"\0" + peer_id.encode())
+    return int.from_bytes(digest.digest(), "big") % samples
 
 
 def lease_for(
@@ -55,15 +69,25 @@ def lease_for(
     """The lease of trainer ``peer_id`` in ``window`` (pass ``experiment_id`` when it is
     already known, to skip re-hashing the manifest)."""
     experiment = manifest.id if experiment_id is None else experiment_id
-    shards = manifest.dataset.shards
-    ranked = sorted(shards, key=lambda shard: _score(experiment, window, shard.name, peer_id))
-    parts: list[tuple[str, int]] = []
+    prefix = _prefix(_DOMAIN, experiment, window)
+    suffix = b"\0" + peer_id.encode()
+
+    def score(name: str) -> bytes:
+        digest = prefix.copy()
+        digest.update(name.encode() + suffix)
+        return digest.digest()
+
+    ranked = sorted(manifest.dataset.shards, key=lambda shard: score(shard.name))
+    parts: list[tuple[str, int, int]] = []
     needed = manifest.lease_size
     for shard in ranked:
         if needed <= 0:
             break
         take = min(needed, shard.samples)
-        parts.append((shard.name, take))
+        start = 0
+        if take < shard.samples:
+            start = lease_start(experiment, window, shard.name, peer_id, shard.samples)
+        parts.append((shard.name, start, take))
         needed -= take
     return Lease(window=window, peer_id=peer_id, parts=tuple(parts))
 

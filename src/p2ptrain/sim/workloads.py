@@ -87,7 +87,7 @@ class SyntheticWorkload:
         poison: bool = False,
     ) -> tuple[Tensors, float, float]:  # fmt: skip
         total = lease.samples
-        aim = sum(((self.target + self._noise[name]) * count for name, count in lease.parts),
+        aim = sum(((self.target + self._noise[name]) * count for name, _, count in lease.parts),
                   torch.zeros(self.size)) / total  # fmt: skip
         if poison:
             aim = -aim
@@ -143,10 +143,11 @@ class DigitsWorkload:
         poison: bool = False,
     ) -> tuple[Tensors, float, float]:  # fmt: skip
         xs, ys = [], []
-        for name, count in lease.parts:
+        for name, start, count in lease.parts:
             x, y = self._data[name]
-            xs.append(x[:count])
-            ys.append(y[:count])
+            taken = (start + torch.arange(count)) % len(y)
+            xs.append(x[taken])
+            ys.append(y[taken])
         x, y = torch.cat(xs), torch.cat(ys)
         if poison:
             y = 9 - y
