@@ -1,8 +1,11 @@
-"""``p2ptrain experiment create|show``: define, sign and inspect experiments."""
+"""``p2ptrain experiment create|show|coverage``: define, sign and inspect experiments, and
+see how evenly their leases reach the dataset."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -12,12 +15,30 @@ import msgspec
 
 from p2ptrain.cli.usage import show_usage
 from p2ptrain.core.envelope import open_envelope, seal
-from p2ptrain.core.experiment_config import experiment_from_toml
-from p2ptrain.core.manifests import ExperimentManifest
-from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.core.experiment_config import (
+    defined_workload,
+    experiment_from_toml,
+    parse_experiment_toml,
+)
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import (
+    MAX_SHARDS,
+    DatasetManifest,
+    ExperimentManifest,
+    ShardInfo,
+    WorkloadSpec,
+)
+from p2ptrain.errors import InvalidRecord, LocalError, ProtocolViolation
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.keyfile import load_identity
+
+#: inner_steps when a definition leaves it out (the manifest's default).
+_INNER_STEPS: int = next(
+    field.default
+    for field in msgspec.structs.fields(ExperimentManifest)
+    if field.name == "inner_steps"
+)
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -53,6 +74,33 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     show.add_argument("manifest", help="signed manifest written by `experiment create`")
     show.set_defaults(handler=run_show)
+
+    coverage = sub.add_parser(
+        "coverage",
+        help="how much of the dataset the leases of T trainers over W windows reach",
+        description="Compute the leases of --trainers random trainers in windows 1..--windows "
+        "and print the fraction of samples leased at least once (coverage) and the most-leased "
+        "sample's count over the mean count (max/mean). The dataset and lease size come from "
+        "an experiment definition, or from --shards, --samples-per-shard and --lease-size.",
+    )
+    coverage.add_argument(
+        "--experiment-toml",
+        metavar="FILE",
+        help="experiment definition; its [dataset] and lease_size, or else what its workload "
+        "computes (the workload is built)",
+    )
+    coverage.add_argument("--shards", type=int, metavar="S", help="a dataset of S shards")
+    coverage.add_argument(
+        "--samples-per-shard", type=int, metavar="N", help="samples in each shard"
+    )
+    coverage.add_argument("--lease-size", type=int, metavar="L", help="samples per lease")
+    coverage.add_argument("--trainers", type=int, required=True, metavar="T")
+    coverage.add_argument("--windows", type=int, required=True, metavar="W")
+    coverage.add_argument(
+        "--seed", type=int, default=0, help="seed of the trainers' ids (default 0)"
+    )
+    coverage.add_argument("--json", action="store_true", help="print one JSON object")
+    coverage.set_defaults(handler=run_coverage)
     experiment.set_defaults(handler=lambda _args: show_usage(experiment))
 
 
@@ -114,5 +162,136 @@ def run_show(args: argparse.Namespace) -> int:
             {"experiment_id": signed.record_id, "signer": signed.signer_id, "manifest": body},
             indent=2,
         )
+    )
+    return 0
+
+
+def _coverage_data(args: argparse.Namespace) -> tuple[DatasetManifest, int]:
+    """The dataset and lease size that ``experiment coverage`` was given."""
+    synthetic = {
+        "--shards": args.shards,
+        "--samples-per-shard": args.samples_per_shard,
+        "--lease-size": args.lease_size,
+    }
+    given = [option for option, value in synthetic.items() if value is not None]
+    if args.experiment_toml is not None:
+        if given:
+            raise LocalError(
+                f"{', '.join(given)}: not with --experiment-toml, which gives the dataset and "
+                "lease size; pass one or the other"
+            )
+        return _defined_data(Path(args.experiment_toml))
+    missing = [option for option, value in synthetic.items() if value is None]
+    if missing:
+        raise LocalError(
+            f"{', '.join(missing)}: missing; give --shards, --samples-per-shard and "
+            "--lease-size, or --experiment-toml FILE"
+        )
+    if not 1 <= args.shards <= MAX_SHARDS:
+        raise LocalError(f"--shards {args.shards}: use 1 to {MAX_SHARDS}")
+    if args.samples_per_shard < 1:
+        raise LocalError(f"--samples-per-shard {args.samples_per_shard}: use 1 or more")
+    total = args.shards * args.samples_per_shard
+    if not 1 <= args.lease_size <= total:
+        raise LocalError(
+            f"--lease-size {args.lease_size}: use 1 to {total} (the samples of "
+            f"{args.shards} shards of {args.samples_per_shard})"
+        )
+    shards = tuple(
+        ShardInfo(
+            name=f"shard-{i:05d}",
+            blob_id=hashlib.sha256(f"coverage/shard/{i}".encode()).hexdigest(),
+            samples=args.samples_per_shard,
+        )
+        for i in range(args.shards)
+    )
+    return DatasetManifest(name="coverage", shards=shards), args.lease_size
+
+
+def _defined_data(path: Path) -> tuple[DatasetManifest, int]:
+    """A definition's dataset and lease size; what its workload computes where it leaves
+    them out (as a seed fills them in)."""
+    from p2ptrain.node.setup import read_definition
+
+    raw = parse_experiment_toml(read_definition(path))
+    dataset_table, lease_size = raw.get("dataset"), raw.get("lease_size")
+    if dataset_table is None or lease_size is None:
+        from p2ptrain.torch.registry import make_workload
+
+        code = defined_workload(raw, None, str(path))
+        config = raw["workload"].get("config", {})
+        print(f"building the workload {code!r} for its dataset...", file=sys.stderr)
+        workload = make_workload(code, config if isinstance(config, dict) else {})
+        if dataset_table is None:
+            dataset_table = msgspec.to_builtins(workload.dataset_manifest())
+        if lease_size is None:
+            inner_steps = raw.get("inner_steps", _INNER_STEPS)
+            if not isinstance(inner_steps, int) or isinstance(inner_steps, bool):
+                raise LocalError(f"{path}: inner_steps must be a whole number")
+            lease_size = inner_steps * workload.batch_size
+    try:
+        dataset = msgspec.convert(dataset_table, DatasetManifest)
+    except InvalidRecord as exc:
+        raise LocalError(f"{path}: {exc.field}: {exc.problem}") from exc
+    except msgspec.ValidationError as exc:
+        raise LocalError(f"{path}: [dataset]: {exc}") from exc
+    if not isinstance(lease_size, int) or isinstance(lease_size, bool):
+        raise LocalError(f"{path}: lease_size must be a whole number, got {lease_size!r:.40}")
+    if not 1 <= lease_size <= dataset.total_samples:
+        raise LocalError(
+            f"{path}: lease_size {lease_size} must be 1 to {dataset.total_samples} (the "
+            "dataset's samples); fix the definition"
+        )
+    return dataset, lease_size
+
+
+def _coverage_manifest(dataset: DatasetManifest, lease_size: int, seed: int) -> ExperimentManifest:
+    """A stand-in experiment over ``dataset``: leases depend on the experiment's id, so the
+    placeholders (named after ``seed``) only shuffle which leases are drawn."""
+
+    def placeholder(label: str) -> str:
+        return hashlib.sha256(f"coverage/{seed}/{label}".encode()).hexdigest()
+
+    authority = Identity.from_seed(hashlib.sha256(f"coverage/{seed}/authority".encode()).digest())
+    return ExperimentManifest(
+        network_id=placeholder("network"),
+        study="coverage",
+        name=f"seed-{seed}",
+        authority=authority.public_key,
+        workload=WorkloadSpec(name="coverage", schema_hash=placeholder("schema")),
+        dataset=dataset,
+        validators=(authority.public_key,),
+        quorum=1,
+        lease_size=lease_size,
+        genesis_weights=placeholder("genesis"),
+    )
+
+
+def run_coverage(args: argparse.Namespace) -> int:
+    from p2ptrain.protocol.coverage import lease_coverage
+
+    if args.trainers < 1:
+        raise LocalError(f"--trainers {args.trainers}: use 1 or more")
+    if args.windows < 1:
+        raise LocalError(f"--windows {args.windows}: use 1 or more")
+    dataset, lease_size = _coverage_data(args)
+    manifest = _coverage_manifest(dataset, lease_size, args.seed)
+    peer_ids = [
+        Identity.from_seed(hashlib.sha256(f"coverage/{args.seed}/{i}".encode()).digest()).peer_id
+        for i in range(args.trainers)
+    ]
+    result = lease_coverage(manifest, peer_ids, range(1, args.windows + 1))
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(result), "seed": args.seed}, sort_keys=True))
+        return 0
+    print(
+        f"{result.trainers} trainers x {result.windows} windows (seed {args.seed}): "
+        f"{result.leases} leases of {result.lease_size} samples over {result.shards} shards, "
+        f"{result.samples} samples"
+    )
+    print(
+        f"coverage {result.coverage:.4f} ({result.never_leased} samples never leased); "
+        f"{result.mean_leases_per_sample:.2f} leases per sample on average, the most-leased "
+        f"sample in {result.max_leases} (max/mean {result.max_over_mean:.2f})"
     )
     return 0
