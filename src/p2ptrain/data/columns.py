@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from p2ptrain.errors import LocalError
 __all__ = [
     "DTYPES",
     "INTEGER_DTYPES",
+    "NARROW",
     "ROW_KINDS",
     "Column",
     "Shape",
@@ -57,6 +59,8 @@ INTEGER_DTYPES = frozenset(
     ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 )
 ROW_KINDS = ("tensor", "tuple", "dict")
+#: Where an integer column is stored: the first of these that holds its values.
+NARROW = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8", "<u8")
 
 #: A row's shape; ``None`` in the first place for a ragged column.
 Shape = tuple[int | None, ...]
@@ -91,10 +95,20 @@ class Column:
         base = int(offsets[0])
         return Column(self.key, self.dtype, self.data[base : int(offsets[-1])], offsets - base)
 
+    def stored_dtype(self) -> np.dtype[Any]:
+        """The dtype a shard file stores this column's data in: an integer column's
+        narrowest that holds its values (see :mod:`p2ptrain.data.shard_format`)."""
+        if self.dtype not in INTEGER_DTYPES:
+            return np.dtype(DTYPES[self.dtype][0])
+        low, high = (int(self.data.min()), int(self.data.max())) if self.data.size else (0, 0)
+        return next(
+            np.dtype(t) for t in NARROW if np.iinfo(t).min <= low and high <= np.iinfo(t).max
+        )
+
     def row_nbytes(self) -> np.ndarray:
-        """Each row's size as read (``dtype``'s itemsize per element; 8 more per ragged
-        row for its offset), int64 ``[len]``."""
-        itemsize = np.dtype(DTYPES[self.dtype][0]).itemsize
+        """Each row's size as stored (:meth:`stored_dtype`'s itemsize per element; 8 more
+        per ragged row for its offset), int64 ``[len]``."""
+        itemsize = self.stored_dtype().itemsize
         per_item = itemsize * math.prod(self.data.shape[1:])
         if self.offsets is None:
             return np.full(len(self), per_item, np.int64)

@@ -64,8 +64,6 @@ MAX_COLUMNS = 1024
 MAX_SAMPLES = 1 << 40
 _MAX_DIMS = 16
 
-#: Storage candidates of an integer column, narrowest first.
-_NARROW = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8", "<u8")
 _CODES = {numpy: code for numpy, code in DTYPES.values()}
 _CODE_DTYPE = {code: name for name, (_, code) in DTYPES.items()}
 _CODE_NUMPY = {code: numpy for numpy, code in DTYPES.values()}
@@ -125,12 +123,7 @@ class EncodedShard:
 
 
 def _stored(column: Column) -> np.ndarray:
-    data = column.data
-    target = DTYPES[column.dtype][0]
-    if column.dtype in INTEGER_DTYPES:
-        low, high = (int(data.min()), int(data.max())) if data.size else (0, 0)
-        target = next(t for t in _NARROW if np.iinfo(t).min <= low and high <= np.iinfo(t).max)
-    return np.ascontiguousarray(data.astype(target, copy=False))
+    return np.ascontiguousarray(column.data.astype(column.stored_dtype(), copy=False))
 
 
 def _tensor_names(key: str, kind: str) -> tuple[str, ...]:
