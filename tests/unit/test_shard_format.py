@@ -115,6 +115,8 @@ def test_integers_are_stored_narrow_and_read_back_in_their_dtype() -> None:
     cases = {
         (0, 255): "uint8",
         (-1, 100): "int8",
+        (-200, 5): "int16",
+        (0, 40_000, 1 << 31): "uint32",
         (0, 50_256): "uint16",
         (-40_000, 1): "int32",
         (0, 1 << 40): "int64",

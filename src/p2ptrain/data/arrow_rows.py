@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.data.columns import DTYPES, INTEGER_DTYPES, Column, column_from_rows
+from p2ptrain.data.columns import INTEGER_DTYPES, NUMPY_DTYPES, Column, column_from_rows
 from p2ptrain.data.shard_cut import Batch
 from p2ptrain.errors import LocalError
 
@@ -79,7 +79,7 @@ def _leaf_dtype(arrow_type: Any) -> str:
     while _list(arrow_type):
         arrow_type = arrow_type.value_type
     name = str(np.dtype(arrow_type.to_pandas_dtype()).name)
-    if name not in DTYPES:
+    if name not in NUMPY_DTYPES:
         raise LocalError(f"Arrow type {arrow_type} has no tensor dtype")
     return name
 

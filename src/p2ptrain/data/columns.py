@@ -31,6 +31,7 @@ __all__ = [
     "DTYPES",
     "INTEGER_DTYPES",
     "NARROW",
+    "NUMPY_DTYPES",
     "ROW_KINDS",
     "Column",
     "Shape",
@@ -59,6 +60,8 @@ INTEGER_DTYPES = frozenset(
     ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 )
 ROW_KINDS = ("tensor", "tuple", "dict")
+#: The row dtypes NumPy data may have as it is (bfloat16 is not a NumPy dtype).
+NUMPY_DTYPES = frozenset(DTYPES) - {"bfloat16"}
 #: Where an integer column is stored: the first of these that holds its values.
 NARROW = ("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8", "<u8")
 
@@ -206,7 +209,7 @@ def _part(part: object, where: str, key: str | None) -> tuple[str, np.ndarray]:
         return "int64", np.asarray(part, dtype=np.int64)
     if isinstance(part, float):
         return "float64", np.asarray(part, dtype=np.float64)
-    if isinstance(part, np.ndarray | np.generic) and part.dtype.name in DTYPES:
+    if isinstance(part, np.ndarray | np.generic) and part.dtype.name in NUMPY_DTYPES:
         array = np.asarray(part)
         return array.dtype.name, array.astype(DTYPES[array.dtype.name][0], copy=False)
     if isinstance(part, str | bytes):

@@ -29,7 +29,7 @@ import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 import numpy as np
@@ -64,7 +64,8 @@ MAX_COLUMNS = 1024
 MAX_SAMPLES = 1 << 40
 _MAX_DIMS = 16
 
-_CODES = {numpy: code for numpy, code in DTYPES.values()}
+#: The safetensors dtype of stored NumPy data (a bfloat16 column's int16 bits are BF16).
+_CODES = {numpy: code for name, (numpy, code) in DTYPES.items() if name != "bfloat16"}
 _CODE_DTYPE = {code: name for name, (_, code) in DTYPES.items()}
 _CODE_NUMPY = {code: numpy for numpy, code in DTYPES.values()}
 
@@ -203,6 +204,14 @@ class _ColumnSpec(msgspec.Struct, forbid_unknown_fields=True):
 _Fault = Callable[[str, str], MalformedShard]
 
 
+class _Tensor(NamedTuple):
+    """A tensor of a shard file: its data, its file offset and its safetensors dtype."""
+
+    array: np.ndarray
+    at: int
+    code: str
+
+
 @dataclass(frozen=True, eq=False)
 class _Stored:
     info: ColumnInfo
@@ -299,7 +308,7 @@ def _parse(buffer: np.ndarray, shard: str) -> ShardRows:
         )
     rows = metadata.get("rows", "")
     samples_text = metadata.get("samples", "")
-    if rows not in ROW_KINDS or not samples_text.isdigit():
+    if rows not in ROW_KINDS or not (samples_text.isascii() and samples_text.isdigit()):
         raise fault("byte 8", f"rows {rows!r:.40} or samples {samples_text!r:.40} is invalid")
     samples = int(samples_text)
     if not 1 <= samples <= MAX_SAMPLES:
@@ -352,11 +361,11 @@ def _check_columns(rows: str, specs: list[_ColumnSpec], fault: _Fault) -> None:
 
 def _tensors(
     buffer: np.ndarray, base: int, entries: dict[str, _Entry], fault: _Fault
-) -> dict[str, tuple[np.ndarray, int]]:
+) -> dict[str, _Tensor]:
     """Every tensor of the header as (array view, file offset), after checking that the
     tensors tile the data region exactly."""
     available = int(buffer.shape[0]) - base
-    found: dict[str, tuple[np.ndarray, int]] = {}
+    found: dict[str, _Tensor] = {}
     position = 0
     for name, entry in sorted(entries.items(), key=lambda item: item[1].data_offsets):
         begin, end = entry.data_offsets
@@ -378,7 +387,7 @@ def _tensors(
                 where, f"tensor {name!r:.80} has {end - begin} bytes for shape {entry.shape}"
             )
         array = buffer[base + begin : base + end].view(dtype).reshape(entry.shape)
-        found[name] = (array, base + begin)
+        found[name] = _Tensor(array, base + begin, entry.dtype)
         position = end
     if position != available:
         raise fault(
@@ -388,13 +397,8 @@ def _tensors(
     return found
 
 
-def _column(
-    spec: _ColumnSpec, tensors: list[tuple[np.ndarray, int]], samples: int, fault: _Fault
-) -> _Stored:
-    (data, at), offsets = tensors[0], tensors[1] if len(tensors) > 1 else None
-    code = _CODES[data.dtype.str]
-    if spec.dtype == "bfloat16":
-        code = "BF16" if code == "I16" else code
+def _column(spec: _ColumnSpec, tensors: list[_Tensor], samples: int, fault: _Fault) -> _Stored:
+    (data, at, code), offsets = tensors[0], tensors[1] if len(tensors) > 1 else None
     integer = spec.dtype in INTEGER_DTYPES and _CODE_DTYPE[code] in INTEGER_DTYPES
     if not integer and code != DTYPES[spec.dtype][1]:
         raise fault(f"byte {at}", f"column {spec.key!r:.80} ({spec.dtype}) is stored as {code}")
@@ -408,13 +412,13 @@ def _column(
                 f"column {spec.key!r:.80} has {data.shape[0]} rows; the shard has {samples}",
             )
         return _Stored(info, data, None)
-    ends, ends_at = offsets
+    ends, ends_at, ends_code = offsets
     if data.ndim != len(spec.shape) or data.shape[1:] != tuple(spec.shape[1:]):
         raise fault(f"byte {at}", f"column {spec.key!r:.80} has values of {list(data.shape)}")
-    if ends.dtype.str != "<i8" or ends.shape != (samples + 1,):
+    if ends_code != "I64" or ends.shape != (samples + 1,):
         raise fault(
             f"byte {ends_at}",
-            f"the offsets of column {spec.key!r:.80} are {_CODES[ends.dtype.str]} "
+            f"the offsets of column {spec.key!r:.80} are {ends_code} "
             f"{list(ends.shape)}, not I64 [{samples + 1}]",
         )
     decreasing = np.flatnonzero(ends[1:] < ends[:-1])

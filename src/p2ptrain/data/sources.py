@@ -37,7 +37,7 @@ from p2ptrain.data.arrow_rows import (
     arrow_readable,
     import_datasets,
 )
-from p2ptrain.data.columns import DTYPES, Column, columns_from_samples
+from p2ptrain.data.columns import NUMPY_DTYPES, Column, columns_from_samples
 from p2ptrain.data.json_rows import JSONLines, json_column
 from p2ptrain.data.shard_cut import Batch
 from p2ptrain.data.tokenizers import (
@@ -233,7 +233,7 @@ def _loaded(path: Path, mmap: bool) -> Any:
 
 
 def _check_array(path: Path, key: str, array: np.ndarray, like: np.ndarray | None) -> None:
-    if array.ndim < 1 or array.dtype.name not in DTYPES:
+    if array.ndim < 1 or array.dtype.name not in NUMPY_DTYPES:
         raise LocalError(
             f"{path}: array {key!r} is {array.dtype} of shape {list(array.shape)}; p2ptrain "
             "takes rows along axis 0 of arrays of numbers or bools"
