@@ -180,7 +180,6 @@ def _open_path(path: Path, options: SourceOptions) -> OpenedSource:
     if kind == "txt":
         if options.text_field is not None:
             raise LocalError("--text-field names a field of .jsonl or .parquet rows, not .txt")
-        description["text"] = "files"
         return _text_source(description, name, lambda: _file_texts(files, options), options, False)
     if kind == "npy":
         _refuse_options(options, text=True)
