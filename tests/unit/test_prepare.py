@@ -4,6 +4,7 @@ errors say where; a crash never leaves a half-prepared dataset at --out."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -19,12 +20,14 @@ import torch
 
 import p2ptrain
 from p2ptrain.data import prepare as prepare_module
+from p2ptrain.data.columns import Column, columns_from_samples
 from p2ptrain.data.prepare import (
     DATASET_FORMAT,
     PreparedDataset,
     prepare_dataset,
     read_prepared,
 )
+from p2ptrain.data.shard_cut import Batch, cut_shards
 from p2ptrain.data.shard_format import open_shard
 from p2ptrain.data.staging import remove_stale
 from p2ptrain.errors import LocalError
@@ -103,6 +106,38 @@ def test_shards_are_cut_by_bytes_as_stored(tmp_path: Path) -> None:
     np.save(tmp_path / "i.npy", np.full((100, 10), 200, np.int64))  # stored as uint8
     narrow = prepare_dataset(tmp_path / "i.npy", tmp_path / "narrow", shard_bytes=400)
     assert [s.samples for s in narrow.manifest.shards] == [40, 40, 20]
+
+
+def batch(first: int, lengths: list[int], dtype: str = "int64") -> Batch:
+    rows = [np.full(length, first + i, dtype) for i, length in enumerate(lengths)]
+    _, columns = columns_from_samples([{"ids": row} for row in rows], first)
+    return Batch("dict", columns, first)
+
+
+def test_cut_shards_regroups_batches_and_widens_shapes() -> None:
+    batches = [batch(0, [3, 3]), batch(2, [3, 3, 3]), batch(5, [2])]
+    shards = list(cut_shards(batches, samples_per_shard=4, shard_bytes=0))
+    assert [(len(shard), shard.first) for shard, _ in shards] == [(4, 0), (2, 4)]
+    assert shards[0][0].columns[0].offsets is None  # four rows of 3: stacked
+    assert shards[1][0].columns[0].offsets is not None  # 3 then 2: ragged
+    assert [s.columns for _, s in shards] == [
+        (("ids", "int64", (3,)),),
+        (("ids", "int64", (None,)),),
+    ]
+    ids = [row.tolist() for shard, _ in shards for row in split_rows(shard.columns[0])]
+    assert ids == [[i] * 3 for i in range(5)] + [[5] * 2]
+    with pytest.raises(LocalError, match="sample 2, key 'ids' is float32 but the samples before"):
+        list(
+            cut_shards(
+                [batch(0, [1, 1]), batch(2, [1], "float32")], samples_per_shard=9, shard_bytes=0
+            )
+        )
+
+
+def split_rows(column: Column) -> list[np.ndarray]:
+    if column.offsets is None:
+        return list(column.data)
+    return [column.data[a:b] for a, b in itertools.pairwise(column.offsets.tolist())]
 
 
 def test_a_directory_of_npy_files_is_one_column_in_name_order(tmp_path: Path) -> None:
