@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from p2ptrain import __version__
 from p2ptrain.cli import (
     bench_commands,
+    data_commands,
     demo_command,
     experiment_commands,
     identity_commands,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment_commands.add_parsers(commands, data_dir)
     bench_commands.add_parsers(commands)
     sim_commands.add_parsers(commands)
+    data_commands.add_parsers(commands)
     return parser
 
 
