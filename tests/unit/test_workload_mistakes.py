@@ -33,7 +33,10 @@ def _workload(train: object, **options: object) -> TorchWorkload:
 
 
 def test_an_iterable_dataset_is_refused_with_what_to_do() -> None:
-    with pytest.raises(LocalError, match=r"training dataset is a _Stream, a stream.*map-style"):
+    with pytest.raises(
+        LocalError,
+        match=r"training data \(_Stream\) is iterable but not indexable.*p2ptrain data prepare",
+    ):
         _workload(_Stream())
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from p2ptrain.data.shakespeare import ShakespeareChars
 from p2ptrain.errors import LocalError
+from p2ptrain.torch.batch_loss import PairLoss, cross_entropy_loss
 from p2ptrain.torch.workload import TorchWorkload
 
 __all__ = ["DEFAULT_CONFIG", "DEMO_DEFAULTS", "CharGPT", "char_gpt_workload"]
@@ -187,6 +188,28 @@ def _float(settings: Mapping[str, ConfigValue], key: str) -> float:
     return value
 
 
+_PAIR_LOSS = PairLoss(cross_entropy_loss)
+
+
+def char_gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of ``(inputs, targets)`` batches (the Shakespeare splits), or of rows of
+    ``block_size + 1`` token ids (``{"input_ids": ...}`` rows of a prepared dataset, or
+    1-D tensors), whose targets are the ids shifted by one."""
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise LocalError(
+                f"char-gpt trains on (inputs, targets) pairs or on 'input_ids' rows; the batch "
+                f"has {sorted(batch)[:6]}"
+            )
+        ids = batch["input_ids"]
+    elif isinstance(batch, torch.Tensor):
+        ids = batch
+    else:
+        return _PAIR_LOSS(model, batch)
+    ids = ids.long()
+    return cross_entropy_loss(model(ids[:, :-1]), ids[:, 1:])
+
+
 def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
     """The char-GPT workload for ``config`` (missing keys take :data:`DEFAULT_CONFIG`):
     the model, AdamW (weight decay on matrices only) and the Shakespeare splits."""
@@ -227,6 +250,7 @@ def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
         name=f"shakespeare-chars-{block_size}",
         val_batches=math.ceil(val_blocks / eval_batch_size),
         eval_batch_size=eval_batch_size,
+        batch_loss=char_gpt_loss,
         language_model=True,
         vocab=tuple(train.vocab),
     )

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from p2ptrain.data.pipelines import DataPipeline
 from p2ptrain.data.shakespeare import ShakespeareChars
 from p2ptrain.data.shards import MapDataset
 from p2ptrain.errors import LocalError
@@ -128,7 +129,7 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch
 
 def causal_lm_workload(
     model: nn.Module,
-    train_dataset: MapDataset,
+    train_dataset: MapDataset | DataPipeline | None,
     val_dataset: MapDataset,
     *,
     batch_size: int,

@@ -41,7 +41,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from p2ptrain.core.manifests import DatasetManifest
-from p2ptrain.data.shards import MapDataset, dataset_manifest
+from p2ptrain.data.pipelines import DataPipeline, as_pipeline
+from p2ptrain.data.shards import MapDataset
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import (
     CLIP_NORM,
@@ -185,7 +186,7 @@ class TorchWorkload:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        train_dataset: MapDataset,
+        train_dataset: MapDataset | DataPipeline | None,
         val_dataset: MapDataset,
         *,
         batch_size: int,
@@ -204,8 +205,7 @@ class TorchWorkload:
             raise LocalError(
                 f"batch_size and val_batches must be positive, got {batch_size}, {val_batches}"
             )
-        for role, dataset in (("training", train_dataset), ("validation", val_dataset)):
-            _check_map_style(role, dataset)
+        _check_map_style("validation", val_dataset)
         if len(val_dataset) < 1:
             raise LocalError("the validation dataset is empty; evaluation needs samples")
         if loss_fn is not None and batch_loss is not None:
@@ -216,7 +216,11 @@ class TorchWorkload:
         self.autocast_dtype = keep_master_weights(model)
         self.model = model.to(self.device)
         self.optimizer = optimizer
-        self.train_dataset = train_dataset
+        self.data: DataPipeline | None = (
+            None
+            if train_dataset is None
+            else as_pipeline(train_dataset, name=name, samples_per_shard=samples_per_shard)
+        )
         self.val_dataset = val_dataset
         self.name = name
         self.samples_per_shard = samples_per_shard
@@ -230,7 +234,6 @@ class TorchWorkload:
         self._tied = tied_parameters(model)
         self._check_optimizer()
         self._initial = snapshot(self._params)
-        self._manifest: DatasetManifest | None = None
         eval_size = eval_batch_size or batch_size
         count = min(len(val_dataset), val_batches * eval_size)
         spread = [i * len(val_dataset) // count for i in range(count)]
@@ -324,12 +327,28 @@ class TorchWorkload:
         load_weights(self._params, weights)
         return state_dict_copies(self.model)
 
-    def dataset_manifest(self) -> DatasetManifest:
-        if self._manifest is None:
-            self._manifest = dataset_manifest(
-                self.train_dataset, name=self.name, samples_per_shard=self.samples_per_shard
+    @property
+    def train_dataset(self) -> MapDataset:
+        """The training samples by global index (the data pipeline's view)."""
+        return self.pipeline.view()
+
+    @property
+    def pipeline(self) -> DataPipeline:
+        """Where the training samples come from (see :mod:`p2ptrain.data.pipelines`)."""
+        if self.data is None:
+            raise LocalError(
+                f"workload {self.name!r} has no training data of its own: its experiment's "
+                'data comes from prepared shards ([data] prepared = "DIR"), which a node '
+                "attaches with use_data()"
             )
-        return self._manifest
+        return self.data
+
+    def use_data(self, pipeline: DataPipeline) -> None:
+        """Train on ``pipeline`` (a node attaches an experiment's prepared shards here)."""
+        self.data = pipeline
+
+    def dataset_manifest(self) -> DatasetManifest:
+        return self.pipeline.dataset_manifest()
 
     def collate(self, indices: Sequence[int], dataset: MapDataset | None = None) -> Any:
         source = self.train_dataset if dataset is None else dataset
@@ -338,12 +357,16 @@ class TorchWorkload:
     def dry_run(self) -> float:
         """The loss of the first training batch after one forward and backward, checking the
         rows, the batch, the model's output and the loss; raises :class:`LocalError` saying
-        what to change. Weights and optimizer state are left exactly as they were."""
-        indices = list(range(min(self._batch_size, len(self.train_dataset))))
+        what to change. Weights and optimizer state are left exactly as they were. Data that
+        is not on this machine yet (prepared shards, a custom loader) is stood in for by the
+        validation set, whose rows have the same form."""
+        local = self.data is not None and self.data.kind in ("indexed", "generated")
+        source = self.train_dataset if local else self.val_dataset
+        indices = list(range(min(self._batch_size, len(source))))
         if not indices:
             raise LocalError("the training dataset is empty; training needs samples")
-        check_rows(self.train_dataset, indices)
-        batch = collate_rows(self.collate, indices)
+        check_rows(source, indices)
+        batch = collate_rows(lambda rows: self.collate(rows, source), indices)
         return dry_run_batch(self.model, batch, self.batch_loss, self.autocast_dtype)
 
     def train_window(

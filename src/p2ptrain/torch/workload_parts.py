@@ -5,6 +5,9 @@
 loss of a collated batch; default: cross-entropy of ``model(inputs)`` against ``targets``),
 ``collate`` (default :func:`torch.utils.data.default_collate`), ``samples_per_shard``
 (default 64), ``name`` (the dataset's name; default: the factory's) and ``val_batches``.
+``train`` is a map-style dataset (a torch ``Dataset``, a ``datasets.Dataset``), a data
+pipeline (:mod:`p2ptrain.data.pipelines`: ``GeneratedData``, ``CustomData``) or None when the
+experiment trains on prepared shards (``[data] prepared = "DIR"``: the node attaches them).
 Unknown keys are refused by name, so a typo does not silently drop a setting.
 """
 
@@ -49,7 +52,8 @@ def workload_from_parts(parts: Mapping[str, Any], *, where: str) -> TorchWorkloa
     if missing:
         raise LocalError(
             f"workload {where!r}: the factory's dict lacks {missing}; it needs model, train, "
-            "val (map-style datasets) and batch_size"
+            "val (map-style datasets; train may be a data pipeline, or None for prepared "
+            "shards) and batch_size"
         )
     model = parts["model"]
     if not isinstance(model, nn.Module):
