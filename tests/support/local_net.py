@@ -233,15 +233,18 @@ class Net:
         args: Sequence[str] = (),
         program: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
+        bootstrap: Sequence[str] | None = None,
     ) -> NodeProcess:
         """Start the node ``name`` (of one role, or several: ``roles[name]`` is then
         ``"trainer+validator"``), or start it again on its data directory once it ended.
-        ``program`` replaces ``python -m p2ptrain``. The node gets :attr:`extra_args` before
-        ``args``."""
+        ``program`` replaces ``python -m p2ptrain``; ``bootstrap`` the seed as the peers it
+        joins through, in order. The node gets :attr:`extra_args` before ``args``."""
         if name in self.network.nodes and name not in self.exited:
             raise AssertionError(f"{name} is still running; kill or stop it first")
         args = [*self.extra_args, *args]
-        node = self.network.start(name, role, windows=windows, args=args, program=program, env=env)
+        node = self.network.start(
+            name, role, windows=windows, args=args, program=program, env=env, bootstrap=bootstrap
+        )
         self.processes.append(node)
         self.roles[name] = role if isinstance(role, str) else "+".join(role)
         for book in (self.exited, self.killed):

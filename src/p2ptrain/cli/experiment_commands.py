@@ -209,12 +209,16 @@ def _coverage_data(args: argparse.Namespace) -> tuple[DatasetManifest, int]:
 
 
 def _defined_data(path: Path) -> tuple[DatasetManifest, int]:
-    """A definition's dataset and lease size; what its workload computes where it leaves
-    them out (as a seed fills them in)."""
-    from p2ptrain.node.setup import read_definition
+    """A definition's dataset (its prepared shards, ``[data] prepared``, when it names
+    some) and lease size; what its workload computes where it leaves them out (as a seed
+    fills them in)."""
+    from p2ptrain.node.setup import definition_data, read_definition
 
     raw = parse_experiment_toml(read_definition(path))
+    prepared = definition_data(raw, path)
     dataset_table, lease_size = raw.get("dataset"), raw.get("lease_size")
+    if prepared is not None:
+        dataset_table = msgspec.to_builtins(prepared.manifest)
     if dataset_table is None or lease_size is None:
         from p2ptrain.torch.registry import make_workload
 

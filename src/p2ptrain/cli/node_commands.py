@@ -33,7 +33,7 @@ from p2ptrain.node.events import (
     encode_event,
 )
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
-from p2ptrain.node.setup import ROLES, NodeSettings, new_secret
+from p2ptrain.node.setup import DEFAULT_DATA_CACHE_MB, ROLES, NodeSettings, new_secret
 from p2ptrain.node.status import NodeStatus, decode_status, read_status
 
 _NODE_COMMANDS = {
@@ -64,6 +64,8 @@ _CONFIG_KEYS = {
     "workload",
     "device",
     "evaluate",
+    "data",
+    "data_cache_mb",
 }
 #: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
 _EVALUATING = (None, "validator", "viewer")
@@ -199,7 +201,18 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         help="your model and data: path/to/file.py:factory or package.module:factory (a "
         "seed signs it into the experiment; trainers pass the same code to run it)",
     )
+    parser.add_argument(
+        "--data",
+        help="a prepared dataset (p2ptrain data prepare) whose shards this node serves to "
+        "trainers (a seed serves the one its experiment definition names by itself)",
+    )
     if role in ("trainer", None):
+        parser.add_argument(
+            "--data-cache-mb",
+            type=float,
+            help="keep at most this many MiB of fetched shards of a prepared dataset, the "
+            "least recently leased evicted first (default 4096)",
+        )
         parser.add_argument(
             "--device",
             help="where to train: cpu (default), cuda, cuda:N or mps (validators keep the "
@@ -312,6 +325,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         workload=pick("workload"),
         device=str(pick("device", "cpu")),
         evaluate=bool(pick("evaluate", False)),
+        serve_data=None if pick("data") is None else Path(pick("data")),
+        data_cache_bytes=int(float(pick("data_cache_mb", DEFAULT_DATA_CACHE_MB)) * (1 << 20)),
     )
 
 
@@ -433,6 +448,19 @@ def describe_status(status: NodeStatus) -> list[str]:
             f"trained    window {t.window}: loss {t.loss_before:.3f} -> {t.loss_after:.3f} "
             f"in {t.seconds:.1f} s"
         )
+    if status.data is not None:
+        d = status.data
+        lines.append(f"data       {d.kind}: {d.descriptor}")
+        if d.kind == "sharded":
+            limit = "no limit" if d.cache_limit_bytes is None else _mib(d.cache_limit_bytes)
+            lines.append(
+                f"shards     {d.shards_held} held ({_mib(d.bytes_held)} of {limit}) in "
+                f"{d.location}; fetched {d.fetched_shards} ({_mib(d.downloaded_bytes)}) for "
+                f"leases naming {d.leased_shards} ({_mib(d.leased_bytes)}); "
+                f"evicted {d.evicted_shards}"
+            )
+        elif d.location:
+            lines.append(f"data at    {d.location}")
     for error in status.errors[-5:]:
         lines.append(f"error      {error.role}, {error.describe()}")
     if status.storage is not None:
@@ -443,6 +471,10 @@ def describe_status(status: NodeStatus) -> list[str]:
         lines.append(f"FAILED     {status.failed}")
     lines += [f"report     {reason}" for reason in status.reasons]
     return lines
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):,.1f} MiB"
 
 
 async def _remote_status(address: str, secret: bytes | None) -> NodeStatus:

@@ -22,8 +22,10 @@ __all__ = [
     "Published",
     "Ready",
     "RoleFailure",
+    "ShardsFetched",
     "Stopped",
     "Trained",
+    "TrainingStarted",
     "decode_event",
     "encode_event",
     "update_outcome",
@@ -57,6 +59,24 @@ class HeadAdopted(_Event, tag="adopted", frozen=True):
     #: What became of this node's own update for the window (a trainer's): "accepted",
     #: "rejected: <why>", "left out: <why>"; empty when the node sent none.
     update: str = ""
+
+
+class ShardsFetched(_Event, tag="shards_fetched", frozen=True):
+    """A trainer fetched the prepared shards its lease for ``window`` needed."""
+
+    window: int
+    shards: tuple[str, ...]
+    #: Bytes that came in from peers for them, and how long it took.
+    bytes: int
+    seconds: float
+
+
+class TrainingStarted(_Event, tag="training", frozen=True):
+    """A trainer has its lease's data and starts the inner steps of ``window``."""
+
+    window: int
+    #: Seconds spent getting the lease's data ready (fetching shards).
+    data_seconds: float
 
 
 class Trained(_Event, tag="trained", frozen=True):
@@ -134,6 +154,8 @@ class Exited(_Event, tag="exited", frozen=True):
 NodeEvent = (
     Ready
     | HeadAdopted
+    | ShardsFetched
+    | TrainingStarted
     | Trained
     | Published
     | Attested

@@ -19,10 +19,14 @@ import signal
 from collections.abc import Callable
 
 from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.data.pipelines import ShardedData
+from p2ptrain.data.prepare import read_prepared
 from p2ptrain.errors import LocalError
+from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings, prepare
+from p2ptrain.node.shard_cache import CACHE_FILE, ShardCache
 from p2ptrain.node.shell import Node
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
@@ -52,12 +56,23 @@ async def serve(
         store = NodeStore(datadir)
         prepared = await prepare(settings, store)
         manifest = prepared.experiment.record
+        if settings.serve_data is not None:
+            import_prepared(store.blobs, read_prepared(settings.serve_data), manifest.dataset)
         chosen: Workload | None = None
+        shards: ShardCache | None = None
         if "trainer" in settings.roles:
             if workload is None:
                 built = build_workload(manifest, settings.workload)
             else:
                 built = workload(manifest) if callable(workload) else workload
+            if manifest.dataset.kind == "sharded":
+                shards = ShardCache(
+                    store.blobs,
+                    manifest.dataset,
+                    settings.data_dir / CACHE_FILE,
+                    limit_bytes=settings.data_cache_bytes,
+                )
+                attach_shards(built, shards, location=str(store.blobs.root))
             chosen = check_workload(manifest, built, prepared.genesis)
             if settings.device != "cpu":
                 place = getattr(chosen, "place", None)
@@ -78,6 +93,7 @@ async def serve(
             prepared,
             store,
             workload=chosen,
+            shards=shards,
             evaluator_workload=evaluating,
             on_event=on_event,
         )
@@ -93,6 +109,18 @@ async def serve(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(signum)
+
+
+def attach_shards(workload: Workload, shards: ShardCache, *, location: str) -> None:
+    """Make ``workload`` train on the prepared shards ``shards`` holds (and fetches)."""
+    use_data = getattr(workload, "use_data", None)
+    if not callable(use_data):
+        raise LocalError(
+            f"the experiment trains on prepared shards, and this workload "
+            f"({type(workload).__name__}) cannot be given data: build a TorchWorkload, or "
+            "implement use_data(pipeline)"
+        )
+    use_data(ShardedData(shards.manifest, shards.locate, location=location))
 
 
 def run_node(

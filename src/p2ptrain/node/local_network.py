@@ -167,10 +167,12 @@ class LocalNetwork:
         windows: int | None = None,
         env: Mapping[str, str] | None = None,
         program: Sequence[str] | None = None,
+        bootstrap: Sequence[str] | None = None,
     ) -> NodeProcess:
         """Start a node (the seed first) of one role or several; it is ready once
         :meth:`wait_ready` says so. ``program`` replaces ``python -m p2ptrain`` (a program
-        that takes the same arguments)."""
+        that takes the same arguments); ``bootstrap`` replaces the seed's address as the
+        peers a joining node asks first, in that order."""
         roles = (role,) if isinstance(role, str) else tuple(role)
         command = list(program or [self.python, "-m", "p2ptrain"])
         if len(roles) == 1:
@@ -184,7 +186,9 @@ class LocalNetwork:
         if "seed" not in roles:
             if self.seed is None or self.seed.address is None or self.experiment_id is None:
                 raise LocalError("start the seed (and wait until it is ready) first")
-            command += ["--bootstrap", self.seed.address, "--experiment", self.experiment_id]
+            for address in [self.seed.address] if bootstrap is None else bootstrap:
+                command += ["--bootstrap", address]
+            command += ["--experiment", self.experiment_id]
         if windows is not None:
             command += ["--windows", str(windows)]
         command += list(args)

@@ -23,6 +23,7 @@ from p2ptrain.node.participant_runner import ParticipantRunner
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import Prepared
+from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
@@ -41,6 +42,7 @@ def role_runners(
     failures: FailureBook,
     emit: Callable[[NodeEvent], None],
     votes: Mapping[int, str],
+    shards: ShardCache | None = None,
 ) -> list[RoleRunner]:
     """The runners of a node holding ``roles`` (``votes``: a validator's stored votes)."""
     chosen = set(roles)
@@ -75,7 +77,7 @@ def role_runners(
         if workload is None:
             raise LocalError("a trainer needs a workload (the model and data to train)")
         machine = TrainerMachine(manifest, identity, genesis)
-        runners.append(TrainerRunner(machine, workload, services, failures, emit))
+        runners.append(TrainerRunner(machine, workload, services, failures, emit, shards=shards))
     if not runners:  # a seed or viewer: follow the chain, keep the weights
         role = "seed" if "seed" in chosen else "viewer"
         follower = Follower(manifest, identity, genesis)

@@ -31,7 +31,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.node import NetNode
-from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.net.transfer import BlobFetcher, FetchResult
 from p2ptrain.node.events import NodeEvent, PeerReported
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.status import PeerReport
@@ -190,18 +190,26 @@ class PeerServices:
 
     # -- fetching -------------------------------------------------------------------------
 
+    async def download(
+        self, blob_id: str, first: Sequence[str] = (), size: int | None = None
+    ) -> FetchResult | None:
+        """Fetch a blob into the store (verified by its hash) unless it is there already;
+        the fetch's figures, or None when nothing had to be fetched."""
+        if self.store.blobs.has(blob_id):
+            return None
+        providers = self.providers(first)
+        if not providers:
+            raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
+        assert self._fetcher is not None
+        result = await self._fetcher.fetch(blob_id, providers, size=size)
+        self.storage.succeeded()
+        return result
+
     async def fetch_blob(
         self, blob_id: str, first: Sequence[str] = (), size: int | None = None
     ) -> bytes:
-        blobs = self.store.blobs
-        if not blobs.has(blob_id):
-            providers = self.providers(first)
-            if not providers:
-                raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
-            assert self._fetcher is not None
-            await self._fetcher.fetch(blob_id, providers, size=size)
-            self.storage.succeeded()
-        return bytes(blobs.get(blob_id))
+        await self.download(blob_id, first, size)
+        return bytes(self.store.blobs.get(blob_id))
 
     async def fetch_head_blobs(
         self, head: Head, first: Sequence[str] = ()

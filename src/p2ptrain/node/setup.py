@@ -35,17 +35,30 @@ from p2ptrain.core.experiment_config import (
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
+from p2ptrain.data.prepare import PreparedDataset, read_prepared
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
 from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
-__all__ = ["ROLES", "NodeSettings", "Prepared", "new_secret", "prepare", "read_definition"]
+__all__ = [
+    "DEFAULT_DATA_CACHE_MB",
+    "ROLES",
+    "NodeSettings",
+    "Prepared",
+    "definition_data",
+    "new_secret",
+    "prepare",
+    "read_definition",
+]
 
 ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
+#: How many MiB of a prepared dataset's shards a trainer keeps by default.
+DEFAULT_DATA_CACHE_MB = 4096
 _MAX_GENESIS_BYTES = 4 << 30
 _MANIFEST_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ExperimentManifest)}
 
@@ -94,6 +107,10 @@ class NodeSettings:
     #: Evaluate every certified head the node adopts on the experiment's validation data
     #: and publish a signed metrics report (builds the experiment's workload).
     evaluate: bool = False
+    #: A prepared dataset (``p2ptrain data prepare``) whose shards the node serves.
+    serve_data: Path | None = None
+    #: The most bytes of fetched shards a trainer keeps (least recently leased out first).
+    data_cache_bytes: int = DEFAULT_DATA_CACHE_MB << 20
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
@@ -108,6 +125,11 @@ class NodeSettings:
         if self.experiment_toml is not None and "seed" not in self.roles:
             raise LocalError(
                 "--experiment-toml is for the node that creates the network: add --role seed"
+            )
+        if self.data_cache_bytes < 0:
+            raise LocalError(
+                f"--data-cache-mb {self.data_cache_bytes / (1 << 20):g}: use 0 or more (0 keeps "
+                "only the shards of the current lease)"
             )
         if self.experiment_id is not None and not _is_hex_id(self.experiment_id):
             raise LocalError(f"experiment id {self.experiment_id!r:.80} is not 64 hex digits")
@@ -142,9 +164,11 @@ async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
             )
         restored = _restored(identity, store, known)
         if settings.experiment_toml is not None:
-            _check_definition(
+            data = _check_definition(
                 settings.experiment_toml, restored, settings.data_dir, settings.workload
             )
+            if data is not None:
+                import_prepared(store.blobs, data, restored.experiment.record.dataset)
         return restored
     if settings.experiment_toml is not None:
         return _created(settings, identity, store)
@@ -179,10 +203,30 @@ def read_definition(path: Path) -> str:
         raise LocalError(f"cannot read the experiment definition {path}: {exc}") from exc
 
 
-def _check_definition(path: Path, restored: Prepared, data_dir: Path, workload: str | None) -> None:
+def definition_data(raw: dict[str, Any], path: Path) -> PreparedDataset | None:
+    """The prepared dataset a definition's ``[data]`` table names (``prepared = "DIR"``, a
+    path relative to the definition's directory), taken out of ``raw``; None without one."""
+    table = raw.pop("data", None)
+    if table is None:
+        return None
+    if not isinstance(table, dict) or set(table) != {"prepared"}:
+        given = sorted(table) if isinstance(table, dict) else table
+        raise LocalError(
+            f'{path}: [data] takes one key, prepared = "DIR" (a directory written by '
+            f"p2ptrain data prepare); it has {given!r}"
+        )
+    where = table["prepared"]
+    if not isinstance(where, str) or not where:
+        raise LocalError(f"{path}: [data] prepared must be a directory path, got {where!r}")
+    return read_prepared(path.parent / where)
+
+
+def _check_definition(
+    path: Path, restored: Prepared, data_dir: Path, workload: str | None
+) -> PreparedDataset | None:
     """Refuse a seed restarted with a definition other than the experiment it serves: the
     definition, filled in with what the seed computed when it created the experiment, must
-    be that experiment to the byte."""
+    be that experiment to the byte. Returns the prepared dataset the definition names."""
     served = restored.experiment.record
     fill: dict[str, Any] = {
         "network_id": served.network_id,
@@ -201,6 +245,9 @@ def _check_definition(path: Path, restored: Prepared, data_dir: Path, workload: 
     )
     try:
         raw = parse_experiment_toml(read_definition(path))
+        data = definition_data(raw, path)
+        if data is not None:
+            fill["dataset"] = msgspec.to_builtins(data.manifest)
         _workload_table(raw, workload, path)
         defined = experiment_from_tables(raw, restored.identity.public_key, fill).id
     except LocalError as exc:
@@ -213,6 +260,7 @@ def _check_definition(path: Path, restored: Prepared, data_dir: Path, workload: 
             f"{data_dir} follows experiment {restored.experiment.record_id}, not {defined} "
             f"defined by {path}; {advice}"
         )
+    return data
 
 
 def _workload_table(raw: dict[str, Any], given: str | None, path: Path) -> str:
@@ -247,6 +295,7 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     )
     signed_network = seal(identity, network)
     raw = parse_experiment_toml(text)
+    data = definition_data(raw, path)
     code = _workload_table(raw, settings.workload, path)
     workload = make_workload(code, raw["workload"].get("config", {}))
     genesis = workload.initial_weights()
@@ -264,7 +313,9 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
                 to_dict() if callable(to_dict) else None,
             ),
         },
-        "dataset": msgspec.to_builtins(workload.dataset_manifest()),
+        "dataset": msgspec.to_builtins(
+            workload.dataset_manifest() if data is None else data.manifest
+        ),
         "genesis_weights": sha256_hex(genesis_blob),
         "lease_size": inner_steps * workload.batch_size,
     }
@@ -275,6 +326,8 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
             "in its own"
         )
     signed = seal(identity, manifest)
+    if data is not None:
+        import_prepared(store.blobs, data, manifest.dataset)
     store.blobs.put(genesis_blob)
     _remember(store, signed_network, signed)
     return Prepared(identity, signed_network, signed, dict(genesis))

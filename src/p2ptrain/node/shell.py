@@ -61,6 +61,7 @@ from p2ptrain.node.roles import role_runners
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import NodeSettings, Prepared
+from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.status import (
     STATUS_FILE,
     Connections,
@@ -70,6 +71,7 @@ from p2ptrain.node.status import (
     ValidationMetrics,
     encode_status,
 )
+from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.metrics import MetricsBook
@@ -104,11 +106,13 @@ class Node:
         store: NodeStore,
         *,
         workload: Workload | None = None,
+        shards: ShardCache | None = None,
         evaluator_workload: Workload | None = None,
         on_event: Callable[[NodeEvent], None] | None = None,
     ) -> None:
-        """``workload``: the trainer's; ``evaluator_workload``: a workload of its own for
-        the evaluator (``--evaluate``; None: this node evaluates nothing)."""
+        """``workload``: the trainer's; ``shards``: the trainer's cache of a prepared
+        dataset's shards; ``evaluator_workload``: a workload of its own for the evaluator
+        (``--evaluate``; None: this node evaluates nothing)."""
         self.settings = settings
         self.identity = prepared.identity
         self.peer_id = prepared.identity.peer_id
@@ -152,6 +156,7 @@ class Node:
             failures=self.failures,
             emit=self._emit,
             votes=store.votes(),
+            shards=shards,
         )
         #: The metrics reports of recent certified heads (what is stored is in the store).
         self.metrics: MetricsBook[Signed[MetricsReport]] = MetricsBook()
@@ -497,6 +502,10 @@ class Node:
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
         reasons = [r.machine.last_reason for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
+        data = next(
+            (d for r in self.runners if isinstance(r, TrainerRunner) and (d := r.data_status())),
+            None,
+        )
         return NodeStatus(
             peer_id=self.peer_id,
             roles=tuple(self.settings.roles),
@@ -521,6 +530,7 @@ class Node:
             pid=os.getpid(),
             storage=self.services.storage.problem,
             validation=self._validation(),
+            data=data,
         )
 
     def _validation(self) -> ValidationMetrics | None:

@@ -118,6 +118,27 @@ class StorageProblem(_Record, frozen=True):
     failures: int
 
 
+class DataStatus(_Record, frozen=True):
+    """A trainer's training data, for ``p2ptrain status``: what it is and where it lives;
+    for prepared shards also what the node holds and what it downloaded."""
+
+    kind: str
+    descriptor: str
+    location: str | None = None
+    #: Shards held on this machine, and their bytes (prepared shards only).
+    shards_held: int = 0
+    bytes_held: int = 0
+    #: The most shard bytes kept (None: no bound).
+    cache_limit_bytes: int | None = None
+    #: Shards fetched from peers since the node started, and the bytes that came in for them.
+    fetched_shards: int = 0
+    downloaded_bytes: int = 0
+    #: Distinct shards this node's leases named since it started, and their size.
+    leased_shards: int = 0
+    leased_bytes: int = 0
+    evicted_shards: int = 0
+
+
 class NodeStatus(_Record, frozen=True):
     peer_id: str
     roles: tuple[str, ...]
@@ -146,6 +167,9 @@ class NodeStatus(_Record, frozen=True):
     storage: StorageProblem | None = None
     #: The latest head with metrics reports (None: no evaluator reported yet).
     validation: ValidationMetrics | None = None
+    #: A trainer's training data: its kind, what it is, where it lives, and for prepared
+    #: shards what the node holds and fetched.
+    data: DataStatus | None = None
 
     @property
     def reasons(self) -> list[str]:

@@ -23,17 +23,20 @@ from collections.abc import Callable, Iterator
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed
+from p2ptrain.core.manifests import ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.node.events import NodeEvent, Published, Trained
+from p2ptrain.node.events import NodeEvent, Published, ShardsFetched, Trained, TrainingStarted
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
-from p2ptrain.node.status import TrainerWindow
+from p2ptrain.node.shard_cache import ShardCache
+from p2ptrain.node.status import DataStatus, TrainerWindow
 from p2ptrain.node.trainer_window import train_update
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import Effect, Publish, TrainLater
+from p2ptrain.protocol.leases import Lease
 from p2ptrain.protocol.policy import FETCH_ATTEMPTS, TrainerPolicy
 from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
@@ -68,9 +71,14 @@ class TrainerRunner(RoleRunner):
         services: PeerServices,
         failures: FailureBook,
         emit: Callable[[NodeEvent], None],
+        *,
+        shards: ShardCache | None = None,
     ) -> None:
+        """``shards``: the cache of a ``sharded`` experiment's shards (the lease's shards
+        are fetched into it before each window)."""
         super().__init__("trainer", machine, services, failures, emit)
         self.workload = workload
+        self.shards = shards
         self.manifest = machine.manifest
         self.peer_id = services.peer_id
         genesis = machine.base.weights
@@ -124,6 +132,14 @@ class TrainerRunner(RoleRunner):
     async def _train(self, action: act.Train) -> None:
         base = self.machine.base
         started = time.monotonic()
+        await self._lease_data(self.machine.lease(action.window))
+        self.emit(
+            TrainingStarted(
+                peer_id=self.peer_id,
+                window=action.window,
+                data_seconds=round(time.monotonic() - started, 3),
+            )
+        )
         blob, before, after = await asyncio.to_thread(self._train_window, action, base)
         self.last_trained = TrainerWindow(
             window=action.window,
@@ -144,9 +160,56 @@ class TrainerRunner(RoleRunner):
         )
         self.execute(self.policy.trained(time.monotonic(), action, blob, before, after))
 
+    async def _lease_data(self, lease: Lease) -> None:
+        """Fetch the prepared shards ``lease`` names that this node does not hold (each
+        verified by its hash; a peer that served other bytes is reported), then record the
+        lease in the cache, which evicts the least recently leased shards past its size."""
+        cache = self.shards
+        if cache is None:
+            return
+        named = [cache.shard(name) for name in lease.shards]
+        missing = [s for s in named if not await asyncio.to_thread(cache.held, s)]
+        if missing:
+            started = time.monotonic()
+
+            async def fetch(shard: ShardInfo) -> int:
+                result = await self.services.download(shard.blob_id, size=shard.bytes)
+                downloaded = 0 if result is None else sum(result.bytes_by_provider.values())
+                cache.fetched(shard, downloaded)
+                return downloaded
+
+            downloaded = await asyncio.gather(*(fetch(shard) for shard in missing))
+            self.emit(
+                ShardsFetched(
+                    peer_id=self.peer_id,
+                    window=lease.window,
+                    shards=tuple(s.name for s in missing),
+                    bytes=sum(downloaded),
+                    seconds=round(time.monotonic() - started, 3),
+                )
+            )
+        evicted = cache.leased(lease.shards)
+        forget = getattr(getattr(self.workload, "data", None), "forget", None)
+        if evicted and callable(forget):
+            forget(evicted)
+
+    def data_status(self) -> DataStatus | None:
+        """What the trainer trains on, and (prepared shards) what it holds and fetched."""
+        pipeline = getattr(self.workload, "data", None)
+        describe = getattr(pipeline, "describe", None)
+        if not callable(describe):
+            return None
+        said = describe()
+        if self.shards is None:
+            return DataStatus(kind=said.kind, descriptor=said.descriptor, location=said.location)
+        return self.shards.status(said.kind, said.descriptor, said.location)
+
     def _train_window(self, action: act.Train, base: BaseState) -> tuple[bytes, float, float]:
         """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
         lease = self.machine.lease(action.window)
+        begin = getattr(getattr(self.workload, "data", None), "begin_lease", None)
+        if callable(begin):
+            begin(lease)
         indices = lease_indices(self.manifest.dataset, lease)
         metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
         update = train_update(

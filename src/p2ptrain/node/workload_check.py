@@ -120,7 +120,8 @@ def check_workload(
 ) -> Workload:
     """``workload`` if its model and data are the experiment's: the same parameter schema
     (the first differing parameter named when ``genesis``, the experiment's genesis weights,
-    is given), the batch size the leases were cut for, and the same shards (bytes hashed);
+    is given), the batch size the leases were cut for, and the same shards (bytes hashed;
+    a ``sharded`` experiment's shards are fetched by their hashes, so are not compared);
     else a LocalError saying what differs."""
     spec = manifest.workload
     weights = workload.initial_weights()
@@ -141,6 +142,8 @@ def check_workload(
             f"trains batches of {spec.batch_size}: build the train loader with "
             f"batch_size={spec.batch_size}"
         )
+    if manifest.dataset.kind == "sharded":
+        return workload  # the experiment's own shards, fetched by hash (attach_shards)
     local_data = workload.dataset_manifest()
     if local_data != manifest.dataset:
         raise LocalError(
