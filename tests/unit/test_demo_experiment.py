@@ -164,3 +164,12 @@ def test_demo_toml_counts_the_demos_own_trainers(tmp_path: Path) -> None:
     )
     window = tomllib.loads(text)["window"]
     assert (window["min_updates"], window["max_updates"], window["deadline_s"]) == (1, 2, 300.0)
+
+
+def test_a_prepared_dataset_is_found_from_the_definitions_directory(tmp_path: Path) -> None:
+    path = tmp_path / "exp" / "experiment.toml"
+    path.parent.mkdir()
+    path.write_text('[workload]\nname = "char-gpt"\n\n[data]\nprepared = "shards"\n')
+    experiment = demo_experiment(None, str(path))
+    assert experiment.prepared == (tmp_path / "exp" / "shards").resolve()
+    assert experiment.tables["data"] == {"prepared": str(experiment.prepared)}

@@ -57,6 +57,8 @@ def add_parsers(commands: Any) -> None:
     aggregate.add_argument("--json", action="store_true", help="print one JSON object")
     aggregate.set_defaults(handler=run_aggregate)
 
+    _add_data(sub)
+
     transfer = sub.add_parser(
         "transfer",
         help="blob download speed against plain aiohttp, and gossip latency",
@@ -154,6 +156,23 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(result, sort_keys=True))
     else:
         print(json.dumps(result, sort_keys=True, indent=2))
+
+
+def _add_data(sub: Any) -> None:
+    data = sub.add_parser(
+        "data",
+        help="a trainer's time to its first inner step on a prepared dataset held by the seed",
+        description="Prepare --size-mb of token rows into shards, let a seed serve them, and "
+        "time a trainer that holds no data from its start to its first inner step (cold), "
+        "then the same trainer again with the shards on its disk (warm, the baseline); "
+        "report both and cold / warm.",
+    )
+    data.add_argument("--size-mb", type=int, default=1024, help="dataset size (default 1024)")
+    data.add_argument("--shard-mb", type=int, default=16, help="shard size (default 16)")
+    data.add_argument("--seed", type=int, default=0, help="seed of the token rows (default 0)")
+    data.add_argument("--workdir", help="directory for temporary files (default: system temp)")
+    data.add_argument("--json", action="store_true", help="print one JSON object")
+    data.set_defaults(handler=run_data)
 
 
 def run_byzantine(args: argparse.Namespace) -> int:
@@ -278,4 +297,28 @@ def run_trainer_memory(args: argparse.Namespace) -> int:
         f"steps/s                 baseline {result['baseline_steps_per_s']:.3f}, "
         f"trainer {result['trainer_steps_per_s']:.3f} (whole window)"
     )
+    return 0
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.data_start import run_data_bench
+
+    result = run_data_bench(
+        size_mb=args.size_mb, shard_mb=args.shard_mb, seed=args.seed, workdir=args.workdir
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    cold, warm = result["cold"], result["warm"]
+    print(
+        f"dataset: {result['dataset_bytes'] / (1 << 30):.2f} GiB in {result['shards']} shards "
+        f"(prepared in {result['prepare_seconds']} s; the seed was ready in "
+        f"{result['seed_ready_seconds']} s)"
+    )
+    print(
+        f"cold start (no data): {cold['seconds']} s to the first inner step, "
+        f"{cold['shards_fetched']} shard(s), {cold['bytes_fetched'] / (1 << 20):.1f} MiB fetched"
+    )
+    print(f"warm start (shards on disk): {warm['seconds']} s")
+    print(f"cold / warm: {result['ratio']}")
     return 0

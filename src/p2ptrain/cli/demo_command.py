@@ -100,12 +100,31 @@ def _seconds_per_step(workload: Any) -> float:
     return (time.perf_counter() - started) / 3
 
 
+def demo_workload(experiment: DemoExperiment) -> Any:
+    """The workload the demo trains, on the prepared shards its definition names (read from
+    their directory) when it names some."""
+    from p2ptrain.data.pipelines import ShardedData
+    from p2ptrain.data.prepare import read_prepared
+    from p2ptrain.torch.registry import make_workload
+
+    workload = make_workload(experiment.code, experiment.config)
+    if experiment.prepared is not None:
+        prepared = read_prepared(experiment.prepared)
+        workload.use_data(  # type: ignore[attr-defined]
+            ShardedData(
+                prepared.manifest,
+                lambda shard: prepared.shard_path(shard.name),
+                location=str(prepared.path),
+            )
+        )
+    return workload
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from p2ptrain.cli.demo_experiment import demo_experiment
     from p2ptrain.node.local_network import LocalNetwork
-    from p2ptrain.torch.registry import make_workload
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
@@ -113,7 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     _wipe(workdir)
     experiment = demo_experiment(args.workload, args.experiment_toml)
-    step_s = _seconds_per_step(make_workload(experiment.code, experiment.config))
+    step_s = _seconds_per_step(demo_workload(experiment))
     cores = 2
     # trainers share the cores; leave room for a slow window before giving up on a trainer
     train_s = args.inner_steps * step_s * max(1.0, args.trainers / cores)
@@ -327,10 +346,9 @@ def _summarise(
     from p2ptrain.node.trainer_runner import window_seed
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
-    from p2ptrain.torch.registry import make_workload
 
     def build() -> Any:
-        return make_workload(experiment.code, experiment.config)
+        return demo_workload(experiment)
 
     seed_dir = network.workdir / "seed"
     checkpoint = network.workdir / "model.safetensors"

@@ -31,6 +31,8 @@ class DemoExperiment:
     config: dict[str, Any]
     #: The user's definition (without validators, reducers, quorum), or empty.
     tables: dict[str, Any] = field(default_factory=dict)
+    #: The prepared dataset the definition trains on (``[data] prepared``), if any.
+    prepared: Path | None = None
 
     @property
     def built_in_char_gpt(self) -> bool:
@@ -55,7 +57,13 @@ def demo_experiment(workload: str | None, experiment_toml: str | None) -> DemoEx
     config = spec.get("config", {})
     if not isinstance(config, dict):
         raise LocalError(f"{path}: [workload.config] must be a table")
-    return DemoExperiment(code, dict(config), tables)
+    prepared = None
+    data = tables.get("data")
+    if isinstance(data, dict) and isinstance(data.get("prepared"), str):
+        # the demo writes the definition elsewhere: the directory becomes absolute
+        prepared = (path.parent / data["prepared"]).resolve()
+        tables["data"] = {**data, "prepared": str(prepared)}
+    return DemoExperiment(code, dict(config), tables, prepared)
 
 
 def demo_toml(
