@@ -176,3 +176,34 @@ def test_sharded_data_names_a_shard_that_is_not_here(tmp_path: Path) -> None:
     assert data.missing_shards(lease) == [manifest.shards[0]]
     with pytest.raises(LocalError, match="d-00000"):
         data.view()[0]
+
+
+def test_status_tells_a_person_what_the_trainer_trains_on() -> None:
+    from p2ptrain.cli.node_commands import describe_status
+    from p2ptrain.node.status import DataStatus, NodeStatus
+
+    status = NodeStatus(
+        peer_id="p" * 64,
+        roles=("trainer",),
+        address=None,
+        experiment_id="e" * 64,
+        height=3,
+        head_id="h" * 64,
+        adopted_head_id="h" * 64,
+        data=DataStatus(
+            kind="sharded",
+            descriptor="prepared shards 'tokens': 10 samples in 2 shards, 2.0 MiB",
+            location="/d/blobs",
+            shards_held=1,
+            bytes_held=1 << 20,
+            cache_limit_bytes=4 << 30,
+            fetched_shards=1,
+            downloaded_bytes=1 << 20,
+            leased_shards=1,
+            leased_bytes=1 << 20,
+        ),
+    )
+    lines = describe_status(status)
+    assert "data       sharded: prepared shards 'tokens'" in "\n".join(lines)
+    shards = next(line for line in lines if line.startswith("shards"))
+    assert "1 held (1.0 MiB of 4,096.0 MiB) in /d/blobs; fetched 1 (1.0 MiB)" in shards

@@ -84,13 +84,14 @@ def _experiment_lines(dataset: PreparedDataset) -> str:
     return f"[data]\nprepared = {json.dumps(str(dataset.path))}"
 
 
-def _mib(size: int) -> str:
-    return f"{size / (1 << 20):.1f} MiB"
+def mib(size: int) -> str:
+    """``size`` bytes in MiB, for people."""
+    return f"{size / (1 << 20):,.1f} MiB"
 
 
 def _show_progress(progress: PrepareProgress) -> None:
     print(
-        f"\r{progress.shards} shards, {progress.samples} samples, {_mib(progress.bytes)}",
+        f"\r{progress.shards} shards, {progress.samples} samples, {mib(progress.bytes)}",
         end="",
         file=sys.stderr,
         flush=True,
@@ -130,7 +131,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     summary = dataset.describe()
     print(
         f"prepared {summary['shards']} shards, {summary['samples']} samples, "
-        f"{_mib(dataset.manifest.total_bytes)} in {seconds:.1f} s"
+        f"{mib(dataset.manifest.total_bytes)} in {seconds:.1f} s"
     )
     print(*_details(dataset), sep="\n")
     print("\nput this in the experiment definition:")
@@ -173,7 +174,7 @@ def run_show(args: argparse.Namespace) -> int:
     summary = dataset.describe()
     print(
         f"{summary['shards']} shards, {summary['samples']} samples, "
-        f"{_mib(dataset.manifest.total_bytes)}"
+        f"{mib(dataset.manifest.total_bytes)}"
     )
     print(*_details(dataset), sep="\n")
     if args.verify:

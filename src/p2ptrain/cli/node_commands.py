@@ -21,6 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.cli.data_commands import mib
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
     Evaluated,
@@ -452,11 +453,11 @@ def describe_status(status: NodeStatus) -> list[str]:
         d = status.data
         lines.append(f"data       {d.kind}: {d.descriptor}")
         if d.kind == "sharded":
-            limit = "no limit" if d.cache_limit_bytes is None else _mib(d.cache_limit_bytes)
+            limit = "no limit" if d.cache_limit_bytes is None else mib(d.cache_limit_bytes)
             lines.append(
-                f"shards     {d.shards_held} held ({_mib(d.bytes_held)} of {limit}) in "
-                f"{d.location}; fetched {d.fetched_shards} ({_mib(d.downloaded_bytes)}) for "
-                f"leases naming {d.leased_shards} ({_mib(d.leased_bytes)}); "
+                f"shards     {d.shards_held} held ({mib(d.bytes_held)} of {limit}) in "
+                f"{d.location}; fetched {d.fetched_shards} ({mib(d.downloaded_bytes)}) for "
+                f"leases naming {d.leased_shards} ({mib(d.leased_bytes)}); "
                 f"evicted {d.evicted_shards}"
             )
         elif d.location:
@@ -471,10 +472,6 @@ def describe_status(status: NodeStatus) -> list[str]:
         lines.append(f"FAILED     {status.failed}")
     lines += [f"report     {reason}" for reason in status.reasons]
     return lines
-
-
-def _mib(count: int) -> str:
-    return f"{count / (1 << 20):,.1f} MiB"
 
 
 async def _remote_status(address: str, secret: bytes | None) -> NodeStatus:
