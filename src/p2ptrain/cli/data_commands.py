@@ -128,15 +128,22 @@ def run_prepare(args: argparse.Namespace) -> int:
         }
         print(json.dumps(result))
         return 0
+    _report(dataset, "prepared ", f" in {seconds:.1f} s")
+    return 0
+
+
+def _report(dataset: PreparedDataset, before: str, after: str, *, verified: bool = False) -> None:
+    """The summary line, the details and the lines for an experiment definition."""
     summary = dataset.describe()
     print(
-        f"prepared {summary['shards']} shards, {summary['samples']} samples, "
-        f"{mib(dataset.manifest.total_bytes)} in {seconds:.1f} s"
+        f"{before}{summary['shards']} shards, {summary['samples']} samples, "
+        f"{mib(dataset.manifest.total_bytes)}{after}"
     )
     print(*_details(dataset), sep="\n")
+    if verified:
+        print("  verified every shard file against its SHA-256")
     print("\nput this in the experiment definition:")
     print(_experiment_lines(dataset))
-    return 0
 
 
 def _details(dataset: PreparedDataset) -> list[str]:
@@ -171,14 +178,5 @@ def run_show(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    summary = dataset.describe()
-    print(
-        f"{summary['shards']} shards, {summary['samples']} samples, "
-        f"{mib(dataset.manifest.total_bytes)}"
-    )
-    print(*_details(dataset), sep="\n")
-    if args.verify:
-        print("  verified every shard file against its SHA-256")
-    print("\nput this in the experiment definition:")
-    print(_experiment_lines(dataset))
+    _report(dataset, "", "", verified=args.verify)
     return 0

@@ -103,19 +103,18 @@ def _seconds_per_step(workload: Any) -> float:
 def demo_workload(experiment: DemoExperiment) -> Any:
     """The workload the demo trains, on the prepared shards its definition names (read from
     their directory) when it names some."""
-    from p2ptrain.data.pipelines import ShardedData
     from p2ptrain.data.prepare import read_prepared
+    from p2ptrain.node.launch import attach_shards
     from p2ptrain.torch.registry import make_workload
 
     workload = make_workload(experiment.code, experiment.config)
     if experiment.prepared is not None:
         prepared = read_prepared(experiment.prepared)
-        workload.use_data(  # type: ignore[attr-defined]
-            ShardedData(
-                prepared.manifest,
-                lambda shard: prepared.shard_path(shard.name),
-                location=str(prepared.path),
-            )
+        attach_shards(
+            workload,
+            prepared.manifest,
+            lambda shard: prepared.shard_path(shard.name),
+            str(prepared.path),
         )
     return workload
 

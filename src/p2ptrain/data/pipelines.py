@@ -10,8 +10,8 @@ baseline do not depend on where the bytes come from. The four kinds differ in wh
   Face ``datasets.Dataset``): shards hash its samples
   (:func:`~p2ptrain.data.shards.dataset_manifest`).
 * ``sharded`` -- shard files made by ``p2ptrain data prepare`` (:mod:`.prepare`), each one blob
-  named by its hash; a trainer holds only the shards its leases need (``missing_shards`` says
-  which to fetch first) and :meth:`ShardedData.view` reads them where ``locate`` finds them.
+  named by its hash; a trainer holds only the shards its leases need (a node's shard cache
+  fetches them first) and :meth:`ShardedData.view` reads them where ``locate`` finds them.
 * ``generated`` -- samples made from their index and the experiment's seed: nothing moves.
 * ``custom`` -- a callback given the lease returns its samples (:meth:`DataPipeline.begin_lease`).
 
@@ -75,10 +75,6 @@ class DataPipeline(Protocol):
         """Samples by global index (only those of the current lease need to be readable)."""
         ...
 
-    def missing_shards(self, lease: Lease) -> list[ShardInfo]:
-        """Shards the lease names that must be fetched before :meth:`view` can read them."""
-        ...
-
     def begin_lease(self, lease: Lease) -> None:
         """Called before training on ``lease`` (in the training thread)."""
         ...
@@ -99,13 +95,10 @@ class IndexedData:
 
     kind = "indexed"
 
-    def __init__(
-        self, dataset: MapDataset, *, name: str, samples_per_shard: int, location: str | None = None
-    ) -> None:
+    def __init__(self, dataset: MapDataset, *, name: str, samples_per_shard: int) -> None:
         self.dataset = dataset
         self.name = name
         self.samples_per_shard = samples_per_shard
-        self.location = location
         self._manifest: DatasetManifest | None = None
 
     def dataset_manifest(self) -> DatasetManifest:
@@ -121,14 +114,11 @@ class IndexedData:
             kind=self.kind,
             descriptor=f"{type(self.dataset).__name__} {self.name!r}: "
             f"{_plural(count, 'sample')} in shards of {self.samples_per_shard}",
-            location=self.location or "held by every trainer",
+            location="held by every trainer",
         )
 
     def view(self) -> MapDataset:
         return self.dataset
-
-    def missing_shards(self, lease: Lease) -> list[ShardInfo]:
-        return []
 
     def begin_lease(self, lease: Lease) -> None:
         return None
@@ -171,7 +161,7 @@ class _ShardedView:
         if path is None:
             raise LocalError(
                 f"shard {shard.name} (blob {shard.blob_id[:12]}) is not on this machine; a "
-                "trainer fetches the shards of its lease before training (missing_shards)"
+                "trainer fetches the shards of its lease before training"
             )
         opened = open_shard(path, shard=shard.name)
         if len(opened) != shard.samples:
@@ -202,7 +192,6 @@ class ShardedData:
         locate: Callable[[ShardInfo], Path | None],
         *,
         location: str | None = None,
-        descriptor: str | None = None,
     ) -> None:
         if manifest.kind != "sharded":
             raise LocalError(
@@ -211,7 +200,6 @@ class ShardedData:
             )
         self.manifest = manifest
         self.location = location
-        self.descriptor = descriptor
         self._view = _ShardedView(manifest, locate)
 
     def dataset_manifest(self) -> DatasetManifest:
@@ -220,22 +208,13 @@ class ShardedData:
     def describe(self) -> DataDescription:
         return DataDescription(
             kind=self.kind,
-            descriptor=self.descriptor
-            or f"prepared shards {self.manifest.name!r}: {_shape(self.manifest)}, "
+            descriptor=f"prepared shards {self.manifest.name!r}: {_shape(self.manifest)}, "
             f"{self.manifest.total_bytes / (1 << 20):,.1f} MiB",
             location=self.location,
         )
 
     def view(self) -> MapDataset:
         return self._view
-
-    def missing_shards(self, lease: Lease) -> list[ShardInfo]:
-        named = set(lease.shards)
-        return [
-            shard
-            for shard in self.manifest.shards
-            if shard.name in named and self._view.locate(shard) is None
-        ]
 
     def begin_lease(self, lease: Lease) -> None:
         return None
@@ -333,9 +312,6 @@ class GeneratedData:
     def view(self) -> MapDataset:
         return self._view
 
-    def missing_shards(self, lease: Lease) -> list[ShardInfo]:
-        return []
-
     def begin_lease(self, lease: Lease) -> None:
         return None
 
@@ -398,9 +374,6 @@ class CustomData:
 
     def view(self) -> MapDataset:
         return self._view
-
-    def missing_shards(self, lease: Lease) -> list[ShardInfo]:
-        return []
 
     def begin_lease(self, lease: Lease) -> None:
         indices = lease_indices(self._manifest, lease)

@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
-from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo
 from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import read_prepared
 from p2ptrain.errors import LocalError
@@ -34,7 +35,14 @@ from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.kernel_build import ensure_kernel
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["WorkloadSource", "check_workload", "experiment_workload", "run_node", "serve"]
+__all__ = [
+    "WorkloadSource",
+    "attach_shards",
+    "check_workload",
+    "experiment_workload",
+    "run_node",
+    "serve",
+]
 
 
 WorkloadSource = Workload | Callable[[ExperimentManifest], Workload]
@@ -72,7 +80,8 @@ async def serve(
                     settings.data_dir / CACHE_FILE,
                     limit_bytes=settings.data_cache_bytes,
                 )
-                attach_shards(built, shards, location=str(store.blobs.root))
+                data = attach_shards(built, manifest.dataset, shards.locate, str(store.blobs.root))
+                shards.on_evict = data.forget
             chosen = check_workload(manifest, built, prepared.genesis)
             if settings.device != "cpu":
                 place = getattr(chosen, "place", None)
@@ -111,8 +120,14 @@ async def serve(
                     loop.remove_signal_handler(signum)
 
 
-def attach_shards(workload: Workload, shards: ShardCache, *, location: str) -> None:
-    """Make ``workload`` train on the prepared shards ``shards`` holds (and fetches)."""
+def attach_shards(
+    workload: Workload,
+    dataset: DatasetManifest,
+    locate: Callable[[ShardInfo], Path | None],
+    location: str,
+) -> ShardedData:
+    """Make ``workload`` train on the prepared shards of ``dataset``, read where ``locate``
+    finds them (a trainer's shard cache; the demo's prepared directory)."""
     use_data = getattr(workload, "use_data", None)
     if not callable(use_data):
         raise LocalError(
@@ -120,7 +135,9 @@ def attach_shards(workload: Workload, shards: ShardCache, *, location: str) -> N
             f"({type(workload).__name__}) cannot be given data: build a TorchWorkload, or "
             "implement use_data(pipeline)"
         )
-    use_data(ShardedData(shards.manifest, shards.locate, location=location))
+    data = ShardedData(dataset, locate, location=location)
+    use_data(data)
+    return data
 
 
 def run_node(

@@ -11,13 +11,13 @@ fetched again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from p2ptrain.core.manifests import DatasetManifest, ShardInfo
+from p2ptrain.errors import BlobCorrupted, BlobNotFound, LocalError
 from p2ptrain.node.status import DataStatus
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.blobs import BlobStore
@@ -27,7 +27,6 @@ __all__ = ["CACHE_FILE", "ShardCache"]
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "data-cache.json"
-_HASH_CHUNK = 1 << 20
 
 
 class ShardCache:
@@ -56,6 +55,8 @@ class ShardCache:
         self.fetched_shards = 0
         self.downloaded_bytes = 0
         self.evicted_shards = 0
+        #: Told the names of the shards evicted (a reader closes its handles on them).
+        self.on_evict: Callable[[set[str]], None] = lambda names: None
 
     def _read_order(self) -> dict[str, int]:
         try:
@@ -85,22 +86,20 @@ class ShardCache:
 
     def held(self, shard: ShardInfo) -> bool:
         """Whether the shard is on disk and hashes to its id (hashed once per process; a
-        shard that does not is deleted, to be fetched again). Blocking: call off the loop."""
+        shard that does not is moved aside by the store, to be fetched again). Blocking:
+        call off the loop."""
         if shard.name in self._verified and self.blobs.has(shard.blob_id):
             return True
-        path = self.locate(shard)
-        if path is None:
+        try:
+            for _ in self.blobs.iter_chunks(shard.blob_id):  # hashed as it is read
+                pass
+        except BlobNotFound:
             self._held.discard(shard.name)
             return False
-        digest = hashlib.sha256()
-        with path.open("rb") as file:
-            while chunk := file.read(_HASH_CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != shard.blob_id:
+        except BlobCorrupted:  # moved aside by the store
             logger.warning(
                 "shard %s on disk no longer matches its hash; fetching it again", shard.name
             )
-            self.blobs.delete(shard.blob_id)
             self._held.discard(shard.name)
             return False
         self._verified.add(shard.name)
@@ -127,6 +126,8 @@ class ShardCache:
             self._leased.add(name)
         evicted = self._evict(set(chosen))
         self._save()
+        if evicted:
+            self.on_evict(evicted)
         return evicted
 
     def _evict(self, keep: set[str]) -> set[str]:
@@ -159,7 +160,7 @@ class ShardCache:
         data = json.dumps({"leased": self._order}, sort_keys=True).encode()
         try:
             write_atomically(self.record, data)
-        except OSError as exc:  # the order is a hint: losing it costs a worse eviction
+        except LocalError as exc:  # the order is a hint: losing it costs a worse eviction
             logger.warning("cannot record the shard order in %s: %s", self.record, exc)
 
     def status(self, kind: str, descriptor: str, location: str | None) -> DataStatus:

@@ -188,10 +188,7 @@ class TrainerRunner(RoleRunner):
                     seconds=round(time.monotonic() - started, 3),
                 )
             )
-        evicted = cache.leased(lease.shards)
-        forget = getattr(getattr(self.workload, "data", None), "forget", None)
-        if evicted and callable(forget):
-            forget(evicted)
+        cache.leased(lease.shards)
 
     def data_status(self) -> DataStatus | None:
         """What the trainer trains on, and (prepared shards) what it holds and fetched."""
