@@ -12,6 +12,12 @@ the sides are simply lost, as on a real broken link (no reset, no error). Healin
 ports back. Only ``ip`` (iproute2) is needed: this kernel has no netem, and there is no
 iptables or nft here.
 
+With ``link_mbit``, every host's link is shaped to that rate in both directions by a token
+bucket (``tc ... tbf``) on each end of its veth pair: what the host sends leaves through its
+own end, what it receives leaves the switch through its port. :meth:`NamespaceLab.
+interface_bytes` reads a host's interface counters (bytes of whole frames, headers
+included): what it sent and received over its link.
+
 Everything the lab made goes in :meth:`NamespaceLab.close` (also at interpreter exit);
 deleting a namespace deletes the veth ends inside it.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -43,6 +50,14 @@ def ip(*args: str, ns: str | None = None) -> str:
     if done.returncode != 0:
         raise OSError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
+
+
+def _tc(*args: str, ns: str) -> None:
+    """Run ``tc`` inside ``ns``; raise OSError with its stderr on failure."""
+    argv = ["tc", "-n", ns, *args]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
 
 
 def namespaces_unavailable(tools: Sequence[str] = ("ip",)) -> str | None:
@@ -78,7 +93,7 @@ def free_second_octet() -> int:
 class NamespaceLab:
     """A namespace per host on one bridge, and partitions between them."""
 
-    def __init__(self, hosts: Sequence[str]) -> None:
+    def __init__(self, hosts: Sequence[str], *, link_mbit: float | None = None) -> None:
         self.tag = secrets.token_hex(3)[:5]  # interface names: p2pc + 5 + p + 2 <= 15
         self._closed = False
         self._namespaces: list[str] = []
@@ -87,10 +102,15 @@ class NamespaceLab:
         self.namespace: dict[str, str] = {}
         self.address: dict[str, str] = {}
         self._port: dict[str, str] = {}
+        self._device: dict[str, str] = {}
         self.cut_off: tuple[str, ...] = ()
+        self.link_mbit = link_mbit
         atexit.register(self.close)
         try:
             self._build(free_second_octet())
+            if link_mbit is not None:
+                for host in self.hosts:
+                    self._shape(host, link_mbit)
         except BaseException:
             self.close()
             raise
@@ -119,6 +139,29 @@ class NamespaceLab:
             ip("link", "set", port, "master", _MAIN_BRIDGE, ns=switch)
             ip("link", "set", port, "up", ns=switch)
             self.namespace[host], self.address[host], self._port[host] = ns, address, port
+            self._device[host] = device
+
+    def _shape(self, host: str, mbit: float) -> None:
+        """A token bucket of ``mbit`` on both ends of ``host``'s link. The bucket holds
+        256 KiB (a segmentation-offloaded packet on a veth can be 64 KiB; a smaller bucket
+        would drop it), and a packet waits at most 200 ms for tokens."""
+        rate = f"{mbit * 1000:.0f}kbit"
+        for device, ns in ((self._device[host], self.namespace[host]),
+                           (self._port[host], self._switch)):  # fmt: skip
+            _tc("qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", "256kb",
+                "latency", "200ms", ns=ns)  # fmt: skip
+
+    def host_address(self, host: str) -> str:
+        return self.address[host]
+
+    def interface_bytes(self, host: str) -> tuple[int, int]:
+        """(sent, received) bytes of ``host``'s interface so far, frames with headers."""
+        text = ip("-s", "-j", "link", "show", "dev", self._device[host], ns=self.namespace[host])
+        try:
+            stats = json.loads(text)[0]["stats64"]
+            return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+        except (ValueError, KeyError, IndexError) as exc:
+            raise OSError(f"cannot read {host}'s interface counters from {text[:200]!r}") from exc
 
     def command_prefix(self, host: str) -> list[str]:
         """What runs a program inside ``host``'s namespace (``ip netns exec`` execs the
