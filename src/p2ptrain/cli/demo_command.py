@@ -5,8 +5,10 @@ trainers running DiLoCo with int8 updates and the default robust rule. When the 
 adopted the last window, every node is stopped cleanly, the canonical model is exported,
 and a baseline is trained in this process on the same samples the way synchronous data
 parallel training (DDP) would: one optimizer, batch = trainers x per-trainer batch, the same
-number of steps. The summary compares validation losses and the bytes each trainer sent with
-what DDP's all-reduce would have sent.
+number of steps. The summary compares validation losses, and the bytes each trainer sent and
+received (its TCP connections, as the kernel counted them) with what DDP's ring all-reduce
+would send and receive by formula; and says how much of its time each trainer spent in inner
+steps (compute utilisation) rather than waiting for the network.
 
 The demo owns its nodes: it refuses a work directory where a node still runs (it would wipe
 that node's data), and SIGINT, SIGTERM or SIGHUP stop every node (SIGINT, then SIGKILL for a
@@ -31,7 +33,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.errors import DataDirInUse, LocalError
-from p2ptrain.node.events import Exited, HeadAdopted, PeerReported, RoleFailure, Trained
+from p2ptrain.node.events import (
+    Exited,
+    HeadAdopted,
+    PeerReported,
+    RoleFailure,
+    Trained,
+    compute_utilisation,
+)
 from p2ptrain.store.datadir import check_not_in_use
 
 if TYPE_CHECKING:
@@ -212,7 +221,7 @@ def _run(
             network.start(name, "trainer", args=code)
         network.wait_ready(trainers)
         console.print(f"every node is ready: {len(network.nodes)} processes")
-        _follow(network, args.windows, console, per_window_s=deadline_s + 60)
+        trained = _follow(network, args.windows, console, per_window_s=deadline_s + 60)
     except _StopSignal as stop:
         console.print(f"{stop}: stopping every node")
         network.stop(timeout_s=SIGNAL_STOP_S)
@@ -221,6 +230,9 @@ def _run(
         network.stop()
     network_s = time.monotonic() - started
     summary = _summarise(network, trainers, args, experiment, console=console)
+    shares = [compute_utilisation(trained.get(name, [])) for name in trainers]
+    measured = [share for share in shares if share is not None]
+    summary["compute_utilisation"] = round(sum(measured) / len(measured), 4) if measured else None
     summary["network_seconds"] = round(network_s, 1)
     summary["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
@@ -282,12 +294,16 @@ def _stop_on_signals(network: LocalNetwork) -> Iterator[None]:
             signal.signal(stop, handler)
 
 
-def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> None:
-    """Show progress until the seed adopts ``windows`` heads."""
+def _follow(
+    network: Any, windows: int, console: Any, per_window_s: float
+) -> dict[str, list[Trained]]:
+    """Show progress until the seed adopts ``windows`` heads; return each trainer's
+    ``trained`` events."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     reached = [0]
     losses: dict[int, list[tuple[float, float]]] = {}
+    trained: dict[str, list[Trained]] = {}
     with Progress(
         TextColumn("[bold]windows certified"),
         BarColumn(),
@@ -302,6 +318,7 @@ def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> No
         events = network.next_events(per_window_s * windows, until=lambda: reached[0] >= windows)
         for name, event in events:
             if isinstance(event, Trained):
+                trained.setdefault(name, []).append(event)
                 losses.setdefault(event.window, []).append((event.loss_before, event.loss_after))
                 progress.update(task, description=f"{name} trained window {event.window}")
             elif isinstance(event, HeadAdopted) and name == "seed":
@@ -327,6 +344,7 @@ def _follow(network: Any, windows: int, console: Any, per_window_s: float) -> No
                 )
             elif isinstance(event, Exited) and name == "seed":
                 raise LocalError(f"the seed exited; see {network.nodes['seed'].log}")
+    return trained
 
 
 def _summarise(
@@ -358,18 +376,24 @@ def _summarise(
     genesis_val_loss = workload.evaluate(workload.initial_weights())
     val_loss = workload.evaluate(weights)
     peer_ids = [network.nodes[t].peer_id for t in trainers]
-    sent = []
-    for name in trainers:
-        sent.append(read_status(network.workdir / name).bytes_sent)
+    statuses = [read_status(network.workdir / name) for name in trainers]
+    sent = sum(s.bytes_sent for s in statuses) // len(statuses)
+    received = sum(s.bytes_received for s in statuses) // len(statuses)
     parameters = sum(t.numel() for t in weights.values())
     steps = height * manifest.inner_steps
+    ddp_each_way = ddp_bytes_per_worker(parameters, steps, len(trainers))
     summary: dict[str, Any] = {
         "windows_certified": height,
         "val_loss": round(val_loss, 4),
         "genesis_val_loss": round(genesis_val_loss, 4),
         "baseline_val_loss": None,
-        "bytes_per_trainer": int(sum(sent) / len(sent)),
-        "ddp_bytes_per_trainer": ddp_bytes_per_worker(parameters, steps, len(trainers)),
+        "bytes_per_trainer_sent": sent,
+        "bytes_per_trainer_received": received,
+        "bytes_per_trainer": sent + received,
+        "bytes_measured": "tcp" if all(s.wire_measured for s in statuses) else "node counters",
+        "ddp_bytes_per_trainer": 2 * ddp_each_way,
+        "ddp_bytes_formula": "ring all-reduce of fp32 gradients: 2(N-1)/N x 4 bytes x "
+        "parameters per step, sent and as much received",
         "checkpoint": exported["checkpoint"],
         "export_hf": None,
         "workload": experiment.code,
@@ -415,11 +439,20 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
             "validation loss (DDP-equivalent)",
             f"{summary['baseline_val_loss']:.4f}  (ratio {summary['val_loss_ratio']:.3f})",
         )
-    table.add_row("bytes sent per trainer", f"{summary['bytes_per_trainer'] / 1e6:.2f} MB")
     table.add_row(
-        "DDP would have sent",
-        f"{summary['ddp_bytes_per_trainer'] / 1e6:.1f} MB  ({summary['bytes_ratio']:.0f}x more)",
+        "bytes per trainer (measured)",
+        f"{summary['bytes_per_trainer_sent'] / 1e6:.2f} MB sent, "
+        f"{summary['bytes_per_trainer_received'] / 1e6:.2f} MB received",
     )
+    table.add_row(
+        "DDP would send + receive",
+        f"{summary['ddp_bytes_per_trainer'] / 1e6:.1f} MB by formula  "
+        f"({summary['bytes_ratio']:.0f}x more)",
+    )
+    if summary.get("compute_utilisation") is not None:
+        table.add_row(
+            "trainer compute utilisation", f"{100 * summary['compute_utilisation']:.0f} %"
+        )
     table.add_row("checkpoint", summary["checkpoint"])
     if summary["export_hf"]:
         table.add_row("Hugging Face export", summary["export_hf"])

@@ -8,6 +8,8 @@ demo, the Trainer API and the tests read fields, never string keys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from p2ptrain.core.records import Head
@@ -26,6 +28,7 @@ __all__ = [
     "Stopped",
     "Trained",
     "TrainingStarted",
+    "compute_utilisation",
     "decode_event",
     "encode_event",
     "update_outcome",
@@ -87,6 +90,10 @@ class Trained(_Event, tag="trained", frozen=True):
     loss_after: float
     seconds: float
     blob_bytes: int
+    #: Seconds inside the inner steps alone (``seconds`` also counts the data, the
+    #: encoding and saving the optimizer state), and when they ended (``time.time()``).
+    inner_seconds: float = 0.0
+    inner_ended_at: float = 0.0
 
 
 class Published(_Event, tag="published", frozen=True):
@@ -208,3 +215,16 @@ def update_outcome(
         f"left out: the window closed with {len(head.accepted)} updates without it "
         "(it came late, or the window was full)"
     )
+
+
+def compute_utilisation(trained: Sequence[Trained]) -> float | None:
+    """One trainer's share of time spent in inner steps: the seconds inside them over the
+    wall seconds from its first step's start to its last step's end (None: it trained no
+    window). 1.0 means it never waited between windows."""
+    timed = [t for t in trained if t.inner_ended_at > 0]
+    if not timed:
+        return None
+    first = min(t.inner_ended_at - t.inner_seconds for t in timed)
+    last = max(t.inner_ended_at for t in timed)
+    busy = sum(t.inner_seconds for t in timed)
+    return busy / (last - first) if last > first else 1.0

@@ -23,6 +23,7 @@ from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardIn
 from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import read_prepared
 from p2ptrain.errors import LocalError
+from p2ptrain.net.wire_meter import metered_loop
 from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
@@ -143,4 +144,5 @@ def attach_shards(
 def run_node(
     settings: NodeSettings, *, on_event: Callable[[NodeEvent], None] | None = None
 ) -> NodeStatus:
-    return asyncio.run(serve(settings, on_event=on_event))
+    with asyncio.Runner(loop_factory=metered_loop) as runner:
+        return runner.run(serve(settings, on_event=on_event))

@@ -45,6 +45,7 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.net.node import NetNode
+from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
     HeadAdopted,
@@ -493,13 +494,18 @@ class Node:
         serving = self._serving().machine
         adopted = max((r.machine for r in self.runners), key=lambda m: m.base.head.height)
         tip = serving.chain.tip
-        bytes_sent = peers = banned = 0
+        bytes_sent = bytes_received = peers = banned = 0
         connections = Connections()
         if net is not None:
             n = net.statistics()
+            # without the kernel's counters: what the node pushed and gossiped, what it took in
             bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
+            bytes_received = 0 if n.server is None else n.server.bytes_received
             peers, banned = n.peers.peers, n.peers.banned
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
+        meter = loop_meter()
+        if meter is not None:
+            bytes_sent, bytes_received = meter.totals()
         reasons = [r.machine.last_reason for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         data = next(
@@ -527,6 +533,8 @@ class Node:
             reports=tuple(self.services.reports),
             trainer=trained,
             bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            wire_measured=meter is not None,
             pid=os.getpid(),
             storage=self.services.storage.problem,
             validation=self._validation(),

@@ -161,7 +161,12 @@ class NodeStatus(_Record, frozen=True):
     failed: str | None = None
     reports: tuple[PeerReport, ...] = ()
     trainer: TrainerWindow | None = None
+    #: Bytes the node's connections sent and received: TCP payload as the kernel counted it
+    #: (``wire_measured``), or where it cannot, what the node pushed and gossiped and the
+    #: uploads it took in.
     bytes_sent: int = 0
+    bytes_received: int = 0
+    wire_measured: bool = False
     pid: int = 0
     #: None while writes go through; the problem while the disk refuses them.
     storage: StorageProblem | None = None

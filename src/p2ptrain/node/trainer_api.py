@@ -27,7 +27,6 @@ raises is recorded for its window and the trainer goes on with the next; after
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -41,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError
+from p2ptrain.net.wire_meter import metered_loop
 from p2ptrain.node.events import HeadAdopted, NodeEvent, Trained
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.launch import serve
@@ -182,7 +182,7 @@ class Trainer:
         settings = NodeSettings(**self._settings, windows=windows)
         events: queue.Queue[NodeEvent | BaseException | None] = queue.Queue()
         nodes: list[Node] = []
-        loop = asyncio.new_event_loop()
+        loop = metered_loop()
 
         async def main() -> None:
             try:

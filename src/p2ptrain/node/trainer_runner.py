@@ -33,7 +33,7 @@ from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.status import DataStatus, TrainerWindow
-from p2ptrain.node.trainer_window import train_update
+from p2ptrain.node.trainer_window import TrainedUpdate, train_update
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import Effect, Publish, TrainLater
 from p2ptrain.protocol.leases import Lease
@@ -140,7 +140,8 @@ class TrainerRunner(RoleRunner):
                 data_seconds=round(time.monotonic() - started, 3),
             )
         )
-        blob, before, after = await asyncio.to_thread(self._train_window, action, base)
+        update = await asyncio.to_thread(self._train_window, action, base)
+        blob, before, after = update.blob, update.loss_before, update.loss_after
         self.last_trained = TrainerWindow(
             window=action.window,
             loss_before=before,
@@ -156,6 +157,8 @@ class TrainerRunner(RoleRunner):
                 loss_after=after,
                 seconds=self.last_trained.seconds,
                 blob_bytes=len(blob),
+                inner_seconds=round(update.inner_seconds, 4),
+                inner_ended_at=update.inner_ended_at,
             )
         )
         self.execute(self.policy.trained(time.monotonic(), action, blob, before, after))
@@ -201,7 +204,7 @@ class TrainerRunner(RoleRunner):
             return DataStatus(kind=said.kind, descriptor=said.descriptor, location=said.location)
         return self.shards.status(said.kind, said.descriptor, said.location)
 
-    def _train_window(self, action: act.Train, base: BaseState) -> tuple[bytes, float, float]:
+    def _train_window(self, action: act.Train, base: BaseState) -> TrainedUpdate:
         """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
         lease = self.machine.lease(action.window)
         begin = getattr(getattr(self.workload, "data", None), "begin_lease", None)
@@ -218,7 +221,7 @@ class TrainerRunner(RoleRunner):
             seed=window_seed(self.peer_id, action.window),
             save_state=lambda state: self.services.store.save_trainer_state(state, metadata),
         )
-        return update.blob, update.loss_before, update.loss_after
+        return update
 
     async def _publish(self, effect: Publish) -> None:
         """The blob is stored (an earlier effect); one that no peer could fetch from us is

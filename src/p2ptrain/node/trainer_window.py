@@ -8,6 +8,7 @@ encoding with the experiment's codec, and the inner optimizer state handed to ``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -25,6 +26,9 @@ class TrainedUpdate(NamedTuple):
     blob: bytes
     loss_before: float
     loss_after: float
+    #: Seconds inside the inner steps, and when they ended (``time.time()``).
+    inner_seconds: float
+    inner_ended_at: float
 
 
 def train_update(
@@ -44,11 +48,13 @@ def train_update(
     computed, Δ once it is encoded): saving the state copies the optimizer's moments (twice
     the weights) and serializes them, and that is the window's memory peak.
     """
+    started = time.perf_counter()
     result = workload.train_window(base, indices, steps=steps, seed=seed)
+    inner_seconds, ended_at = time.perf_counter() - started, time.time()
     delta = {name: base[name] - result.weights[name] for name in base}
     loss_before, loss_after = result.loss_before, result.loss_after
     del result
     blob = encoder.encode(delta)
     del delta
     save_state(workload.optimizer_state())
-    return TrainedUpdate(blob, loss_before, loss_after)
+    return TrainedUpdate(blob, loss_before, loss_after, inner_seconds, ended_at)
