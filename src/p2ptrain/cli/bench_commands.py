@@ -58,6 +58,7 @@ def add_parsers(commands: Any) -> None:
     aggregate.set_defaults(handler=run_aggregate)
 
     _add_data(sub)
+    _add_convergence(sub)
 
     transfer = sub.add_parser(
         "transfer",
@@ -173,6 +174,91 @@ def _add_data(sub: Any) -> None:
     data.add_argument("--workdir", help="directory for temporary files (default: system temp)")
     data.add_argument("--json", action="store_true", help="print one JSON object")
     data.set_defaults(handler=run_data)
+
+
+def _add_convergence(sub: Any) -> None:
+    from p2ptrain.bench.convergence_task import Task
+
+    task = Task()
+    convergence = sub.add_parser(
+        "convergence",
+        help="real DDP, hivemind and our network on one task, on shaped links: loss against "
+        "time and bytes",
+        description="Train the demo's task with torch.distributed DDP (gloo), our network and "
+        "hivemind (when `make bench-anchors` installed it), the same samples each, as real "
+        "processes. As root every process gets its own network namespace with its link "
+        "shaped to --link-mbit both ways, and bytes are read from the interfaces; otherwise "
+        "everything runs on loopback and says so. Writes JSON and a PNG under --out-dir.",
+    )
+    convergence.add_argument(
+        "--link-mbit", type=float, default=50.0, help="each link's rate (default 50)"
+    )
+    convergence.add_argument(
+        "--trainers", type=int, default=task.workers, help="workers of each system (default 4)"
+    )
+    convergence.add_argument(
+        "--windows", type=int, default=task.windows, help=f"windows (default {task.windows})"
+    )
+    convergence.add_argument(
+        "--inner-steps",
+        type=int,
+        default=task.inner_steps,
+        help=f"steps per window; DDP runs windows x this many (default {task.inner_steps})",
+    )
+    convergence.add_argument(
+        "--systems",
+        default="ddp,p2ptrain,hivemind",
+        help="which to run, comma-separated (default ddp,p2ptrain,hivemind)",
+    )
+    convergence.add_argument("--no-netns", action="store_true", help="run on loopback even as root")
+    convergence.add_argument(
+        "--hivemind-python",
+        help="the interpreter with hivemind (default: $P2PTRAIN_HIVEMIND_PYTHON, else "
+        ".venv-anchors/bin/python)",
+    )
+    convergence.add_argument(
+        "--workdir",
+        default="p2ptrain-bench-convergence",
+        help="where the processes keep their files (each system's folder is wiped)",
+    )
+    convergence.add_argument(
+        "--out-dir", default="bench/results", help="where to write the JSON and the PNG"
+    )
+    convergence.add_argument("--json", action="store_true", help="print one JSON object")
+    convergence.set_defaults(handler=run_convergence_bench)
+
+
+def run_convergence_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
+    from p2ptrain.bench.convergence_task import Task
+    from p2ptrain.errors import LocalError
+
+    if args.trainers < 2 or args.windows < 1 or args.inner_steps < 1 or args.link_mbit <= 0:
+        raise LocalError(
+            "--trainers >= 2, --windows >= 1, --inner-steps >= 1 and --link-mbit > 0, please"
+        )
+    settings = ConvergenceSettings(
+        task=Task(workers=args.trainers, windows=args.windows, inner_steps=args.inner_steps),
+        link_mbit=args.link_mbit,
+        netns=not args.no_netns,
+        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+        hivemind_python=args.hivemind_python,
+        workdir=Path(args.workdir).resolve(),
+        out_dir=Path(args.out_dir),
+    )
+    report = run_convergence(settings, say=lambda line: print(line, file=sys.stderr))
+    for name, figures in report["systems"].items():
+        print(
+            f"{name}: final val loss {figures['final_val_loss']}, to target "
+            f"{figures['seconds_to_target']} s, bytes per trainer "
+            f"{figures['bytes_per_trainer']} ({figures['bytes_source']})",
+            file=sys.stderr,
+        )
+    print(f"results: {report['json']} and {report['png']}", file=sys.stderr)
+    _emit(report, args.json)
+    return 0
 
 
 def run_byzantine(args: argparse.Namespace) -> int:

@@ -1,0 +1,503 @@
+"""``p2ptrain bench convergence``: real DDP, hivemind and our network on one task, on real links.
+
+The three systems train the same task (:mod:`.convergence_task`: the demo's char GPT, the
+same total samples) one after the other, as real processes:
+
+* **ddp** -- ``torch.distributed`` DDP with gloo, ``workers`` ranks, global batch ``workers x
+  batch``, ``windows x inner_steps`` steps with the experiment's inner AdamW at its lr.
+* **p2ptrain** -- our network as the demo runs it (:mod:`.convergence_network`).
+* **hivemind** -- ``hivemind.Optimizer`` peers averaging parameters every epoch of one
+  window's samples (:mod:`.convergence_hivemind`), when ``make bench-anchors`` installed it.
+
+As root, every host (each rank, peer and node) gets its own network namespace on one bridge,
+its link shaped to ``link_mbit`` in both directions (:class:`~.netns_lab.NamespaceLab`), and
+bytes are read from the interface counters: frames sent and received, headers included.
+Without root the systems share loopback (``netns: false``) and bytes come from each system's
+own counters: our nodes' (TCP payload, as the kernel counted it), a formula for DDP's ring
+all-reduce, none for hivemind.
+
+Nobody evaluates while training: DDP's rank 0 and hivemind's first peer save their weights
+every ``inner_steps`` steps, and our seed keeps every certified head; once a system stopped,
+the bench evaluates each on the same validation set. Clocks start when a system's first
+process is launched. A sampler reads the byte counters while a system runs, for the loss
+against bytes. CPU seconds are those of the system's processes (``RUSAGE_CHILDREN``).
+
+Time to a loss: ``seconds_to_target`` is the first model at or below 1.02 x DDP's final
+validation loss (null if never); ``seconds_to_common`` at or below the *common* loss, the
+worst final loss of the systems (which every system reached). Ratios are DDP's (or
+hivemind's) figure over ours: above 1, ours is sooner or smaller.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import resource
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.bench.convergence_task import (
+    LOOPBACK,
+    Placement,
+    Task,
+    build_workload,
+    load_snapshot,
+    read_snapshots,
+)
+from p2ptrain.errors import LocalError
+
+__all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence"]
+
+SYSTEMS = ("ddp", "p2ptrain", "hivemind")
+#: A system reaches the target at this factor of DDP's final validation loss.
+TARGET_FACTOR = 1.02
+SAMPLE_S = 0.25
+WORKLOAD_THREADS = 2
+
+Counters = dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ConvergenceSettings:
+    task: Task
+    link_mbit: float = 50.0
+    netns: bool = True
+    systems: tuple[str, ...] = SYSTEMS
+    hivemind_python: str | None = None
+    workdir: Path = Path("p2ptrain-bench-convergence")
+    out_dir: Path = Path("bench/results")
+    #: Seconds our network's windows wait for updates (None: sized from a timed step).
+    deadline_s: float | None = None
+    timeout_s: float = 3600.0
+
+
+@dataclass
+class _System:
+    """What one system did: the curve and the counters."""
+
+    name: str
+    launched: float = 0.0
+    ended: float = 0.0
+    #: (time.time(), validation loss) of each evaluated model, genesis first.
+    points: list[tuple[float, float]] = field(default_factory=list)
+    #: (time.time(), counters per host) sampled while it ran, and the counters before.
+    samples: list[tuple[float, Counters]] = field(default_factory=list)
+    before: Counters = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    trainer_hosts: list[str] = field(default_factory=list)
+    cpu_seconds: float = 0.0
+    bytes_source: str = "interfaces"
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: Bytes per trainer at each point when no sampler measured them (DDP's formula).
+    point_bytes: list[int] | None = None
+
+
+class _Sampler:
+    """Reads ``probe()`` every :data:`SAMPLE_S` seconds in a thread until stopped."""
+
+    def __init__(self, probe: Callable[[], Counters], into: list[tuple[float, Counters]]):
+        self._probe, self._into = probe, into
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bytes-sampler", daemon=True)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def _take(self) -> None:
+        with contextlib.suppress(OSError, LocalError):  # a status mid-write: next time
+            self._into.append((time.time(), self._probe()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._take()
+
+
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_convergence(settings: ConvergenceSettings, say: Callable[[str], None]) -> dict[str, Any]:
+    """Run every system of ``settings``; return the report (and write its JSON and PNG)."""
+    from p2ptrain.bench.convergence_network import network_hosts
+    from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
+
+    task = settings.task
+    unknown = set(settings.systems) - set(SYSTEMS)
+    if unknown:
+        raise LocalError(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    notes: dict[str, str] = {}
+    systems = list(settings.systems)
+    python = None
+    if "hivemind" in systems:
+        from p2ptrain.bench.convergence_hivemind import (
+            hivemind_python_candidate,
+            hivemind_unavailable,
+        )
+
+        python = hivemind_python_candidate(settings.hivemind_python)
+        why = hivemind_unavailable(python)
+        if why is not None:
+            notes["hivemind"] = f"hivemind is absent: {why}"
+            systems.remove("hivemind")
+            say(notes["hivemind"])
+    hosts = {
+        "ddp": [f"ddp-{i}" for i in range(task.workers)],
+        "p2ptrain": network_hosts(task),
+        "hivemind": [f"hivemind-{i}" for i in range(task.workers)],
+    }
+    why_not = namespaces_unavailable(("ip", "tc")) if settings.netns else "--no-netns"
+    if why_not is not None:
+        say(f"no network namespaces ({why_not}): every system runs on loopback, unshaped")
+    settings.workdir.mkdir(parents=True, exist_ok=True)
+    lab: NamespaceLab | None = None
+    results: dict[str, _System] = {}
+    try:
+        if why_not is None:
+            every = [h for name in systems for h in hosts[name]]
+            lab = NamespaceLab(every, link_mbit=settings.link_mbit)
+            say(f"{len(every)} hosts in network namespaces, links at {settings.link_mbit} Mbit/s")
+        placement: Placement = LOOPBACK if lab is None else lab
+        for name in systems:
+            say(f"running {name}...")
+            results[name] = _run_system(
+                name, settings, placement=placement, lab=lab, hosts=hosts[name], python=python
+            )
+            say(f"{name}: {results[name].ended - results[name].launched:.0f} s")
+    finally:
+        if lab is not None:
+            lab.close()
+    report = _report(settings, results, notes, netns=lab is not None)
+    _write(settings, report, results, say)
+    return report
+
+
+def _run_system(
+    name: str,
+    settings: ConvergenceSettings,
+    *,
+    placement: Placement,
+    lab: Any,
+    hosts: list[str],
+    python: str | None,
+) -> _System:
+    task = settings.task
+    workdir = settings.workdir / name
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    system = _System(name, hosts=hosts, trainer_hosts=hosts[: task.workers])
+    probe = _probe(name, lab, hosts, workdir)
+    if probe is not None:
+        system.before = probe()
+    cpu = _cpu_of_children()
+    steps: list[int] = []  # of DDP's snapshots
+    with _Sampler(probe or dict, system.samples):
+        if name == "ddp":
+            from p2ptrain.bench.convergence_ddp import run_ddp
+
+            ddp = run_ddp(task, workdir, placement, hosts, timeout_s=settings.timeout_s)
+            system.launched, system.ended = ddp.launched, ddp.ended
+            system.points, steps = _evaluate_snapshots(task, ddp.snapshots, ddp.launched)
+        elif name == "hivemind":
+            from p2ptrain.bench.convergence_hivemind import run_hivemind
+
+            assert python is not None
+            hive = run_hivemind(
+                task, workdir, placement, hosts, python=python, timeout_s=settings.timeout_s
+            )
+            system.launched, system.ended = hive.launched, hive.ended
+            system.points, _ = _evaluate_snapshots(task, hive.snapshots, hive.launched)
+            system.extra["epochs"] = max(hive.epochs, default=0)
+            system.extra["averaged_epochs"] = hive.averaged_epochs
+            system.extra["local_steps"] = sum(hive.steps)
+        else:
+            from p2ptrain.bench.convergence_network import run_network
+
+            deadline = settings.deadline_s or _deadline_s(task)
+            run = run_network(
+                task, workdir, placement, deadline_s=deadline, timeout_s=settings.timeout_s
+            )
+            system.launched, system.ended = run.launched, run.ended
+            system.points = _evaluate_heads(task, run)
+            system.extra["compute_utilisation"] = _utilisation(run)
+    system.cpu_seconds = _cpu_of_children() - cpu
+    if lab is None:  # loopback: each system's own counters
+        if name == "ddp":
+            system.bytes_source = "formula"
+            system.point_bytes = _ddp_formula_bytes(task, steps)
+        elif name == "hivemind":
+            system.bytes_source = "none"
+        else:
+            system.bytes_source = "node counters"
+    return system
+
+
+def _probe(name: str, lab: Any, hosts: list[str], workdir: Path) -> Callable[[], Counters] | None:
+    """What reads the system's byte counters while it runs (None: nothing can)."""
+    if lab is not None:
+        return lambda: {host: lab.interface_bytes(host) for host in hosts}
+    if name == "p2ptrain":
+        return lambda: _status_counters(hosts, workdir)
+    return None
+
+
+def _status_counters(hosts: Sequence[str], workdir: Path) -> Counters:
+    from p2ptrain.node.status import read_status
+
+    counters: Counters = {}
+    for host in hosts:
+        if (workdir / host / "status.json").is_file():
+            status = read_status(workdir / host)
+            counters[host] = (status.bytes_sent, status.bytes_received)
+        else:
+            counters[host] = (0, 0)
+    return counters
+
+
+def _deadline_s(task: Task) -> float:
+    """The demo's rule: three times a window's inner steps with the trainers sharing two
+    cores, plus 15 s, at least 30 s."""
+    workload = build_workload(task)
+    indices = list(range(workload.batch_size * 4))
+    workload.train_window(workload.initial_weights(), indices, steps=1, seed=0)
+    started = time.perf_counter()
+    workload.train_window(workload.initial_weights(), indices, steps=3, seed=1)
+    step_s = (time.perf_counter() - started) / 3
+    train_s = task.inner_steps * step_s * max(1.0, task.workers / 2)
+    return round(max(30.0, 3 * train_s + 15), 1)
+
+
+def _evaluate_snapshots(
+    task: Task, directory: Path, launched: float
+) -> tuple[list[tuple[float, float]], list[int]]:
+    """Genesis at launch, then each snapshot the first worker saved; and the step of each."""
+    workload = build_workload(task, threads=WORKLOAD_THREADS)
+    snapshots = read_snapshots(directory)
+    if not snapshots:
+        raise LocalError(f"the first worker left no weight snapshots in {directory}")
+    genesis = (launched, workload.evaluate(workload.initial_weights()))
+    points = [genesis, *((s.time, workload.evaluate(load_snapshot(s))) for s in snapshots)]
+    return points, [0, *(s.step for s in snapshots)]
+
+
+def _evaluate_heads(task: Task, run: Any) -> list[tuple[float, float]]:
+    from p2ptrain.node.export import canonical_weights
+
+    workload = build_workload(task, threads=WORKLOAD_THREADS)
+    points = [(run.launched, workload.evaluate(workload.initial_weights()))]
+    for at, _height, head_id in run.heads:
+        *_, weights = canonical_weights(run.seed_dir, head_id)
+        points.append((at, workload.evaluate(weights)))
+    return points
+
+
+def _utilisation(run: Any) -> float | None:
+    from p2ptrain.node.events import compute_utilisation
+
+    shares = [compute_utilisation(events) for events in run.trained.values()]
+    measured = [s for s in shares if s is not None]
+    return round(sum(measured) / len(measured), 4) if measured else None
+
+
+def _ddp_formula_bytes(task: Task, steps: list[int]) -> list[int]:
+    """Bytes per rank (sent + received) after each of ``steps``, by the ring all-reduce
+    formula."""
+    from p2ptrain.torch.baseline import ddp_bytes_per_worker
+
+    parameters = sum(v.numel() for v in build_workload(task).initial_weights().values())
+    return [2 * ddp_bytes_per_worker(parameters, step, task.workers) for step in steps]
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def _delta(system: _System, counters: Counters, host: str) -> tuple[int, int]:
+    sent, received = counters.get(host, (0, 0))
+    sent0, received0 = system.before.get(host, (0, 0))
+    return sent - sent0, received - received0
+
+
+def _trainer_bytes(system: _System, counters: Counters) -> int:
+    """Mean bytes (sent + received) per trainer in ``counters``."""
+    totals = [sum(_delta(system, counters, host)) for host in system.trainer_hosts]
+    return sum(totals) // max(1, len(totals))
+
+
+def _curve(system: _System) -> list[dict[str, float | int | None]]:
+    times = [t for t, _ in system.samples]
+    curve: list[dict[str, float | int | None]] = []
+    for index, (at, loss) in enumerate(system.points):
+        spent: int | None = None
+        if system.point_bytes is not None:
+            spent = system.point_bytes[index]
+        elif system.samples and system.bytes_source != "none":
+            before = bisect.bisect_right(times, at) - 1
+            spent = 0 if before < 0 else _trainer_bytes(system, system.samples[before][1])
+        curve.append(
+            {"seconds": round(at - system.launched, 2), "val_loss": round(loss, 4), "bytes": spent}
+        )
+    return curve
+
+
+def _seconds_to(system: _System, loss: float | None) -> float | None:
+    """Seconds from launch until the system's first model at or below ``loss``."""
+    if loss is None:
+        return None
+    return next((round(t - system.launched, 2) for t, v in system.points if v <= loss), None)
+
+
+def _figures(
+    system: _System, target: float | None, common: float | None, task: Task
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {
+        "final_val_loss": round(system.points[-1][1], 4),
+        "seconds_to_target": _seconds_to(system, target),
+        "seconds_to_common": _seconds_to(system, common),
+        "wall_seconds": round(system.ended - system.launched, 1),
+        "cpu_seconds": round(system.cpu_seconds, 1),
+        "bytes_source": system.bytes_source,
+        "bytes_per_trainer": None,
+        "bytes_per_trainer_sent": None,
+        "bytes_per_trainer_received": None,
+        "bytes_sent_all_nodes": None,
+    }
+    if system.point_bytes is not None:  # DDP's formula: each rank sends as much as it receives
+        each_way = system.point_bytes[-1] // 2
+        figures.update(
+            bytes_per_trainer=2 * each_way,
+            bytes_per_trainer_sent=each_way,
+            bytes_per_trainer_received=each_way,
+            bytes_sent_all_nodes=each_way * task.workers,
+        )
+    elif system.samples and system.bytes_source != "none":
+        last = system.samples[-1][1]
+        sent = [_delta(system, last, h)[0] for h in system.trainer_hosts]
+        received = [_delta(system, last, h)[1] for h in system.trainer_hosts]
+        figures.update(
+            bytes_per_trainer_sent=sum(sent) // len(sent),
+            bytes_per_trainer_received=sum(received) // len(received),
+            bytes_per_trainer=(sum(sent) + sum(received)) // len(sent),
+            bytes_sent_all_nodes=sum(_delta(system, last, h)[0] for h in system.hosts),
+        )
+    figures.update(system.extra)
+    figures["nodes"] = len(system.hosts)
+    figures["curve"] = _curve(system)
+    return figures
+
+
+def _ratio(top: Any, bottom: Any) -> float | None:
+    if top is None or bottom is None or bottom <= 0:
+        return None
+    return round(float(top) / float(bottom), 3)
+
+
+def _report(
+    settings: ConvergenceSettings,
+    results: dict[str, _System],
+    notes: dict[str, str],
+    *,
+    netns: bool,
+) -> dict[str, Any]:
+    task = settings.task
+    ddp = results.get("ddp")
+    target = None if ddp is None else ddp.points[-1][1] * TARGET_FACTOR
+    # the loss every system reached: the worst final loss
+    common = max((system.points[-1][1] for system in results.values()), default=None)
+    systems = {name: _figures(system, target, common, task) for name, system in results.items()}
+    ours = systems.get("p2ptrain", {})
+    theirs = systems.get("ddp", {})
+    hive = systems.get("hivemind", {})
+    return {
+        "link_mbit": settings.link_mbit if netns else None,
+        "netns": netns,
+        "trainers": task.workers,
+        "windows": task.windows,
+        "inner_steps": task.inner_steps,
+        "samples": task.workers * task.steps * int(task.config.get("batch_size", 0) or 0),
+        "target_val_loss": None if target is None else round(target, 4),
+        "bytes_ratio_vs_ddp": _ratio(
+            theirs.get("bytes_per_trainer"), ours.get("bytes_per_trainer")
+        ),
+        "bytes_all_nodes_ratio_vs_ddp": _ratio(
+            theirs.get("bytes_sent_all_nodes"), ours.get("bytes_sent_all_nodes")
+        ),
+        "time_ratio_vs_ddp": _ratio(theirs.get("seconds_to_target"), ours.get("seconds_to_target")),
+        "time_ratio_vs_hivemind": _ratio(
+            hive.get("seconds_to_target"), ours.get("seconds_to_target")
+        ),
+        "common_val_loss": None if common is None else round(common, 4),
+        "time_ratio_vs_ddp_at_common": _ratio(
+            theirs.get("seconds_to_common"), ours.get("seconds_to_common")
+        ),
+        "time_ratio_vs_hivemind_at_common": _ratio(
+            hive.get("seconds_to_common"), ours.get("seconds_to_common")
+        ),
+        "systems": systems,
+        "notes": notes,
+    }
+
+
+def _write(
+    settings: ConvergenceSettings,
+    report: dict[str, Any],
+    results: dict[str, _System],
+    say: Callable[[str], None],
+) -> None:
+    out = settings.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = out / f"convergence-{stamp}.json"
+    png_path = out / f"convergence-{stamp}.png"
+    report["json"], report["png"] = str(json_path), str(png_path)
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    _plot(report, png_path)
+    say(f"wrote {json_path} and {png_path}")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, figures in report["systems"].items():
+        curve = figures["curve"]
+        by_time.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], "-o",
+                     markersize=3, label=name)  # fmt: skip
+        with_bytes = [p for p in curve if p["bytes"] is not None and p["bytes"] > 0]
+        if with_bytes:
+            by_bytes.plot([p["bytes"] / 1e6 for p in with_bytes],
+                          [p["val_loss"] for p in with_bytes], "-o", markersize=3,
+                          label=f"{name} ({figures['bytes_source']})")  # fmt: skip
+    for axes in (by_time, by_bytes):
+        if report["target_val_loss"] is not None:
+            axes.axhline(report["target_val_loss"], linestyle="--", color="grey",
+                         linewidth=0.8, label="1.02 x DDP's final loss")  # fmt: skip
+        axes.set_ylabel("validation loss")
+        axes.grid(alpha=0.3)
+        axes.legend()
+    link = f"{report['link_mbit']} Mbit/s links" if report["netns"] else "loopback"
+    by_time.set_xlabel("seconds since launch")
+    by_time.set_title(f"{report['trainers']} workers, {link}")
+    by_bytes.set_xscale("log")
+    by_bytes.xaxis.set_minor_formatter(NullFormatter())
+    by_bytes.set_xlabel("MB sent + received per trainer")
+    by_bytes.set_title("validation loss against bytes")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

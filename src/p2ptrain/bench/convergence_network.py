@@ -1,0 +1,133 @@
+"""Our network on the convergence bench's task: the demo's network as real processes.
+
+A seed, a reducer, 3 validators (any 2 certify) and ``task.workers`` trainers run DiLoCo with
+the demo's settings (int8 updates, the default robust rule, outer Nesterov lr 1.0 momentum
+0.5, the workload's inner AdamW) for ``task.windows`` windows of ``task.inner_steps`` steps,
+each node in its host's network namespace when the placement is a lab (serving on its lab
+address; trainers, as in the demo, serve nothing and push their updates), else on loopback.
+
+:func:`run_network` returns when each head was certified (the seed adopting it, on the
+bench's clock), each trainer's ``trained`` events (its compute utilisation) and, after every
+node stopped cleanly, their data directories: the certified heads are read back from the
+seed's store for evaluation, and each node's ``status.json`` holds the bytes its
+connections carried.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2ptrain.bench.convergence_task import Placement, Task
+from p2ptrain.errors import LocalError
+from p2ptrain.node.events import Exited, HeadAdopted, RoleFailure, Trained
+from p2ptrain.node.local_network import LocalNetwork, experiment_toml
+from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+
+__all__ = ["NETWORK_NODES", "NetworkRun", "network_hosts", "run_network"]
+
+#: The nodes besides the trainers, as in the demo.
+NETWORK_NODES = ("seed", "reducer", "validator-0", "validator-1", "validator-2")
+QUORUM = 2
+PROPOSAL_S = 10.0
+
+
+def network_hosts(task: Task) -> list[str]:
+    """The host of every node of the network: the trainers first."""
+    return [*(f"trainer-{i}" for i in range(task.workers)), *NETWORK_NODES]
+
+
+@dataclass
+class NetworkRun:
+    """What one run of our network left."""
+
+    launched: float
+    ended: float = 0.0
+    #: (time.time() when the seed adopted it, height, head id) of every certified head.
+    heads: list[tuple[float, int, str]] = field(default_factory=list)
+    trained: dict[str, list[Trained]] = field(default_factory=dict)
+    workdir: Path = Path()
+
+    @property
+    def seed_dir(self) -> Path:
+        return self.workdir / "seed"
+
+
+def run_network(
+    task: Task,
+    workdir: Path,
+    placement: Placement,
+    *,
+    deadline_s: float,
+    timeout_s: float,
+) -> NetworkRun:
+    """Run the network until the seed adopted ``task.windows`` heads (or ``timeout_s``
+    passed: LocalError), then stop every node cleanly."""
+    network = LocalNetwork(workdir)
+    trainers = [f"trainer-{i}" for i in range(task.workers)]
+    run = NetworkRun(launched=time.time(), workdir=workdir)
+    toml = experiment_toml(
+        validators=[network.identity(f"validator-{i}") for i in range(3)],
+        reducers=[network.identity("reducer")],
+        quorum=QUORUM,
+        workload={"name": "char-gpt", "config": task.config},
+        inner_steps=task.inner_steps,
+        deadline_s=deadline_s,
+        proposal_s=PROPOSAL_S,
+        min_updates=max(1, task.workers // 2),
+        max_updates=task.workers,
+        outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
+        outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
+        inner_lr=task.lr,
+        study="bench",
+        name="convergence",
+    )
+    path = network.write_experiment(toml)
+
+    def start(name: str, role: str, args: list[str]) -> None:
+        program = [*placement.command_prefix(name), network.python, "-m", "p2ptrain"]
+        if role != "trainer":  # the last --listen wins over LocalNetwork's loopback one
+            args = [*args, "--listen", f"{placement.host_address(name)}:0"]
+        network.start(name, role, args=args, program=program)
+
+    try:
+        start("seed", "seed", ["--experiment-toml", str(path)])
+        network.wait_ready(["seed"])
+        start("reducer", "reducer", [])
+        for i in range(3):
+            start(f"validator-{i}", "validator", [])
+        for name in trainers:
+            start(name, "trainer", [])
+        network.wait_ready([n for n in network.nodes if n != "seed"])
+        _follow(network, run, task.windows, timeout_s - (time.time() - run.launched))
+    finally:
+        network.stop()
+        run.ended = time.time()
+    return run
+
+
+def _follow(network: LocalNetwork, run: NetworkRun, windows: int, timeout_s: float) -> None:
+    failures: list[str] = []
+
+    def reached() -> int:
+        return max((height for _, height, _ in run.heads), default=0)
+
+    for name, event in network.next_events(timeout_s, until=lambda: reached() >= windows):
+        if isinstance(event, HeadAdopted) and name == "seed":
+            run.heads.append((time.time(), event.height, event.head_id))
+        elif isinstance(event, Trained):
+            run.trained.setdefault(name, []).append(event)
+        elif isinstance(event, RoleFailure):
+            failures.append(f"{name}: {event.role} window {event.window}: {event.message}")
+        elif isinstance(event, Exited):
+            raise LocalError(
+                f"{name} exited (code {event.returncode}) before window {windows} was "
+                f"certified; see {network.nodes[name].log}"
+            )
+    if reached() < windows:
+        said = "; ".join(failures[-3:]) or "no role failed"
+        raise LocalError(
+            f"our network certified {reached()} of {windows} windows in {timeout_s:.0f} s "
+            f"({said}); see the logs in {network.workdir / 'logs'}"
+        )

@@ -1,0 +1,89 @@
+"""``p2ptrain bench convergence`` on a tiny task: DDP and our network as real processes, on
+loopback with each system's own byte counters, and (as root) each process in its own network
+namespace on shaped links, bytes read from the interfaces. hivemind, when it is not
+installed, is left out with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
+from p2ptrain.bench.convergence_task import Task
+from p2ptrain.bench.netns_lab import namespaces_unavailable
+from p2ptrain.torch.baseline import ddp_bytes_per_worker
+from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
+
+TINY = {
+    **DEFAULT_CONFIG,
+    "n_layer": 1,
+    "n_embd": 32,
+    "n_head": 2,
+    "block_size": 32,
+    "batch_size": 8,
+    "val_blocks": 64,
+}
+TASK = Task(workers=2, windows=2, inner_steps=5, config=TINY)
+PARAMETERS = 16_000  # about: the formula below only needs a lower bound
+
+
+def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:
+    settings = ConvergenceSettings(
+        task=TASK,
+        link_mbit=100.0,
+        netns=netns,
+        systems=("ddp", "p2ptrain", "hivemind"),
+        hivemind_python=str(tmp_path / "no-such-python"),
+        workdir=tmp_path / "work",
+        out_dir=tmp_path / "results",
+        deadline_s=30.0,
+        timeout_s=240.0,
+    )
+    said: list[str] = []
+    report = run_convergence(settings, say=said.append)
+    assert Path(report["json"]).is_file() and Path(report["png"]).stat().st_size > 10_000
+    assert json.loads(Path(report["json"]).read_text())["systems"].keys() == {"ddp", "p2ptrain"}
+    assert "hivemind is absent" in report["notes"]["hivemind"]
+    assert any("hivemind is absent" in line for line in said)
+    for name in ("ddp", "p2ptrain"):
+        figures = report["systems"][name]
+        curve = figures["curve"]
+        assert curve[0]["seconds"] <= 1.0  # genesis, at launch
+        assert figures["final_val_loss"] < curve[0]["val_loss"]  # it learned
+        assert figures["cpu_seconds"] > 0 and figures["wall_seconds"] > 0
+    ddp, ours = report["systems"]["ddp"], report["systems"]["p2ptrain"]
+    assert ddp["seconds_to_target"] is not None  # DDP reaches 1.02 x its own final loss
+    assert report["target_val_loss"] == pytest.approx(1.02 * ddp["final_val_loss"], abs=1e-3)
+    assert report["bytes_ratio_vs_ddp"] == pytest.approx(
+        ddp["bytes_per_trainer"] / ours["bytes_per_trainer"], rel=1e-2
+    )
+    assert 0 < ours["compute_utilisation"] <= 1
+    # each trainer downloaded every certified head's fp32 weights
+    assert ours["bytes_per_trainer_received"] > TASK.windows * 4 * PARAMETERS
+    return report
+
+
+def test_loopback_uses_each_systems_own_counters(tmp_path: Path) -> None:
+    report = _run(tmp_path, netns=False)
+    assert report["netns"] is False and report["link_mbit"] is None
+    ddp, ours = report["systems"]["ddp"], report["systems"]["p2ptrain"]
+    assert ddp["bytes_source"] == "formula" and ours["bytes_source"] == "node counters"
+    assert ddp["bytes_per_trainer_sent"] == ddp["bytes_per_trainer_received"]
+
+
+@pytest.mark.netns
+@pytest.mark.skipif((why := namespaces_unavailable(("ip", "tc"))) is not None, reason=f"{why}")
+def test_namespaces_read_bytes_from_the_interfaces(tmp_path: Path) -> None:
+    report = _run(tmp_path, netns=True)
+    assert report["netns"] is True and report["link_mbit"] == 100.0
+    ddp, ours = report["systems"]["ddp"], report["systems"]["p2ptrain"]
+    assert ddp["bytes_source"] == ours["bytes_source"] == "interfaces"
+    # a rank's link carried at least what its all-reduces had to move, each way
+    each_way = ddp_bytes_per_worker(PARAMETERS, TASK.steps, TASK.workers)
+    assert ddp["bytes_per_trainer_sent"] > each_way
+    assert ddp["bytes_per_trainer_received"] > each_way
+    # all of our nodes sent at least what the trainers received from them
+    assert ours["bytes_sent_all_nodes"] > TASK.workers * ours["bytes_per_trainer_received"] // 2
