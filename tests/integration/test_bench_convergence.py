@@ -11,21 +11,13 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.bench.chaos_network import TINY_WORKLOAD
 from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
 from p2ptrain.bench.convergence_task import Task
 from p2ptrain.bench.netns_lab import namespaces_unavailable
 from p2ptrain.torch.baseline import ddp_bytes_per_worker
-from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
-TINY = {
-    **DEFAULT_CONFIG,
-    "n_layer": 1,
-    "n_embd": 32,
-    "n_head": 2,
-    "block_size": 32,
-    "batch_size": 8,
-    "val_blocks": 64,
-}
+TINY = dict(TINY_WORKLOAD)
 TASK = Task(workers=2, windows=2, inner_steps=5, config=TINY)
 PARAMETERS = 16_000  # about: the formula below only needs a lower bound
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2ptrain.bench.chaos_network import TINY_WORKLOAD
 from p2ptrain.bench.convergence_ddp import DdpRun, run_ddp
 from p2ptrain.bench.convergence_task import (
     LOOPBACK,
@@ -25,7 +26,6 @@ from p2ptrain.bench.convergence_task import (
 )
 from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 from p2ptrain.errors import LocalError
-from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
 pytestmark = pytest.mark.integration
 
@@ -34,15 +34,7 @@ TASK = Task(
     workers=2,
     windows=2,
     inner_steps=3,
-    config={
-        **DEFAULT_CONFIG,
-        "n_layer": 1,
-        "n_embd": 32,
-        "n_head": 2,
-        "block_size": 32,
-        "batch_size": 8,
-        "val_blocks": 64,
-    },
+    config=dict(TINY_WORKLOAD),
 )
 
 

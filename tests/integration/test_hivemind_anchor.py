@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2ptrain.bench.chaos_network import TINY_WORKLOAD
 from p2ptrain.bench.convergence_hivemind import (
     hivemind_python_candidate,
     hivemind_unavailable,
@@ -30,19 +31,10 @@ from p2ptrain.bench.convergence_task import (
 )
 from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 from p2ptrain.errors import LocalError
-from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
 pytestmark = [pytest.mark.integration]
 
-TINY = {
-    **DEFAULT_CONFIG,
-    "n_layer": 1,
-    "n_embd": 32,
-    "n_head": 2,
-    "block_size": 32,
-    "batch_size": 8,
-    "val_blocks": 64,
-}
+TINY = dict(TINY_WORKLOAD)
 # 50 inner steps: a step of the tiny model takes a few milliseconds, and hivemind learns of
 # the other peers' progress through its DHT a few times a second; with 5 steps an epoch is
 # over before the peers have heard of each other.

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2ptrain.bench.convergence_task import Placement, Task, read_done
+from p2ptrain.bench.convergence_task import Placement, Task, WorkerRun, read_done
 from p2ptrain.bench.ddp_rank import rank_directory
 from p2ptrain.errors import LocalError
 
@@ -39,16 +39,8 @@ _LOG_TAIL_CHARS = 3000
 
 
 @dataclass(frozen=True)
-class DdpRun:
-    """What a DDP run left: wall-clock bounds (``time.time()``), rank 0's snapshot directory,
-    every rank's directory and log, and each rank's seconds inside its optimizer steps."""
-
-    launched: float
-    ended: float
-    snapshots: Path
-    rank_dirs: list[Path]
-    logs: list[Path]
-    inner_seconds: list[float]
+class DdpRun(WorkerRun):
+    """What a DDP run left."""
 
 
 def _master_port(placement: Placement, host: str, address: str) -> int:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from p2ptrain.bench.convergence_task import Placement, Task, read_done
+from p2ptrain.bench.convergence_task import Placement, Task, WorkerRun, read_done
 from p2ptrain.bench.hivemind_peer import (
     EPOCHS_FILE,
     GO_LINE,
@@ -142,19 +142,10 @@ def hivemind_python(explicit: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class HivemindRun:
-    """What one run of the hivemind peers left, per rank where it is a list."""
+class HivemindRun(WorkerRun):
+    """What one run of the hivemind peers left (rank 0's snapshots: genesis, then every
+    epoch; ``inner_seconds`` include hivemind's averaging), and per rank:"""
 
-    #: ``time.time()`` just before the first peer started.
-    launched: float
-    #: ``time.time()`` once every peer had exited and been reaped.
-    ended: float
-    #: Rank 0's snapshots (genesis, every epoch).
-    snapshots: Path
-    rank_dirs: list[Path]
-    logs: list[Path]
-    #: Seconds each rank spent in its training steps (hivemind's averaging included).
-    inner_seconds: list[float]
     #: The epoch each rank ended at.
     epochs: list[int]
     #: Local steps each rank took.

@@ -34,6 +34,7 @@ __all__ = [
     "Snapshot",
     "SnapshotWriter",
     "Task",
+    "WorkerRun",
     "build_workload",
     "load_snapshot",
     "read_done",
@@ -130,6 +131,20 @@ def worker_weights(workload: TorchWorkload) -> dict[str, torch.Tensor]:
     names = workload.initial_weights().keys()
     params = dict(workload.model.named_parameters())
     return {name: params[name].detach().to("cpu", copy=True) for name in names}
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """What a run of DDP ranks or hivemind peers left: wall-clock bounds (``time.time()``),
+    the first worker's snapshot directory, every worker's directory and log, and each
+    worker's seconds inside its optimizer steps."""
+
+    launched: float
+    ended: float
+    snapshots: Path
+    rank_dirs: list[Path]
+    logs: list[Path]
+    inner_seconds: list[float]
 
 
 class Snapshot(NamedTuple):

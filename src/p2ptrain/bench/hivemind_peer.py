@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from torch import nn
 
 from p2ptrain.bench.convergence_task import (
     SnapshotWriter,
@@ -71,8 +70,7 @@ from p2ptrain.bench.convergence_task import (
     worker_weights,
 )
 from p2ptrain.errors import LocalError
-from p2ptrain.torch.batch_loss import CLIP_NORM, loss_problem, to_device
-from p2ptrain.torch.placement import autocast_context
+from p2ptrain.torch.batch_loss import inner_step
 from p2ptrain.torch.workload import TorchWorkload
 
 __all__ = [
@@ -263,23 +261,6 @@ def _wait_for_go(where: str) -> None:
         )
 
 
-def _step(workload: TorchWorkload, optimizer: Any, indices: list[int]) -> None:
-    """One local step through hivemind, as :func:`~p2ptrain.torch.batch_loss.inner_step`
-    does it with a plain optimizer."""
-    model = workload.model
-    device = next(model.parameters()).device
-    batch = to_device(workload.collate(indices), device)
-    with autocast_context(device, workload.autocast_dtype):
-        loss = workload.batch_loss(model, batch)
-    problem = loss_problem(loss)
-    if problem is not None:
-        raise LocalError(problem)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
-    nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-    optimizer.step()
-
-
 def _await_swarm(optimizer: Any, workers: int, where: str) -> None:
     """Until this peer's progress tracker has read the progress of all ``workers`` peers
     from the DHT: each of its reads sets ``fetched_global_progress_this_epoch``."""
@@ -329,7 +310,14 @@ def _train(
     workload.model.train()
     for step, indices in enumerate(worker_batches(workload, longer, rank), start=1):
         began = time.perf_counter()
-        _step(workload, optimizer, indices)
+        # hivemind.Optimizer is a torch optimizer: one step as our trainers take it
+        inner_step(
+            workload.model,
+            optimizer,
+            workload.collate(indices),
+            workload.batch_loss,
+            workload.autocast_dtype,
+        )
         inner += time.perf_counter() - began
         if step == 1:
             # A peer shows up in the others' progress trackers once it has reported samples,
