@@ -13,13 +13,13 @@ import pytest
 
 from p2ptrain.bench.chaos_network import TINY_WORKLOAD
 from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
-from p2ptrain.bench.convergence_task import Task
+from p2ptrain.bench.convergence_task import Task, build_workload
 from p2ptrain.bench.netns_lab import namespaces_unavailable
 from p2ptrain.torch.baseline import ddp_bytes_per_worker
 
 TINY = dict(TINY_WORKLOAD)
 TASK = Task(workers=2, windows=2, inner_steps=5, config=TINY)
-PARAMETERS = 16_000  # about: the formula below only needs a lower bound
+PARAMETERS = sum(w.numel() for w in build_workload(TASK).initial_weights().values())
 
 
 def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:

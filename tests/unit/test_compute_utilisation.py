@@ -3,7 +3,7 @@ first step to its last."""
 
 from __future__ import annotations
 
-from p2ptrain.node.events import Trained, compute_utilisation
+from p2ptrain.node.events import Trained, compute_utilisation, mean_utilisation
 
 
 def _trained(window: int, inner_seconds: float, ended_at: float) -> Trained:
@@ -34,3 +34,10 @@ def test_no_timed_window_gives_none() -> None:
     assert compute_utilisation([]) is None
     untimed = Trained(peer_id="p", window=1, loss_before=1, loss_after=1, seconds=1, blob_bytes=1)
     assert compute_utilisation([untimed]) is None
+
+
+def test_the_mean_leaves_out_trainers_that_did_not_train() -> None:
+    busy = [_trained(w, 5.0, 5.0 * (w + 1)) for w in range(4)]  # 1.0
+    waiting = [_trained(w, 10.0, 100.0 + 15 * w + 10) for w in range(3)]  # 0.75
+    assert mean_utilisation([busy, waiting, []]) == 0.875
+    assert mean_utilisation([[], []]) is None

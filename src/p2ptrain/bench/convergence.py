@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.bench.convergence_task import (
     LOOPBACK,
@@ -50,7 +50,12 @@ from p2ptrain.bench.convergence_task import (
     load_snapshot,
     read_snapshots,
 )
+from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 from p2ptrain.errors import LocalError
+from p2ptrain.node.events import mean_utilisation
+
+if TYPE_CHECKING:
+    from p2ptrain.bench.convergence_network import NetworkRun
 
 __all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence"]
 
@@ -132,7 +137,6 @@ def _cpu_of_children() -> float:
 def run_convergence(settings: ConvergenceSettings, say: Callable[[str], None]) -> dict[str, Any]:
     """Run every system of ``settings``; return the report (and write its JSON and PNG)."""
     from p2ptrain.bench.convergence_network import network_hosts
-    from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 
     task = settings.task
     unknown = set(settings.systems) - set(SYSTEMS)
@@ -189,7 +193,7 @@ def _run_system(
     settings: ConvergenceSettings,
     *,
     placement: Placement,
-    lab: Any,
+    lab: NamespaceLab | None,
     hosts: list[str],
     python: str | None,
 ) -> _System:
@@ -204,7 +208,8 @@ def _run_system(
         system.before = probe()
     cpu = _cpu_of_children()
     steps: list[int] = []  # of DDP's snapshots
-    with _Sampler(probe or dict, system.samples):
+    sampling = contextlib.nullcontext() if probe is None else _Sampler(probe, system.samples)
+    with sampling:
         if name == "ddp":
             from p2ptrain.bench.convergence_ddp import run_ddp
 
@@ -232,7 +237,7 @@ def _run_system(
             )
             system.launched, system.ended = run.launched, run.ended
             system.points = _evaluate_heads(task, run)
-            system.extra["compute_utilisation"] = _utilisation(run)
+            system.extra["compute_utilisation"] = mean_utilisation(run.trained.values())
     system.cpu_seconds = _cpu_of_children() - cpu
     if lab is None:  # loopback: each system's own counters
         if name == "ddp":
@@ -245,7 +250,9 @@ def _run_system(
     return system
 
 
-def _probe(name: str, lab: Any, hosts: list[str], workdir: Path) -> Callable[[], Counters] | None:
+def _probe(
+    name: str, lab: NamespaceLab | None, hosts: list[str], workdir: Path
+) -> Callable[[], Counters] | None:
     """What reads the system's byte counters while it runs (None: nothing can)."""
     if lab is not None:
         return lambda: {host: lab.interface_bytes(host) for host in hosts}
@@ -268,16 +275,11 @@ def _status_counters(hosts: Sequence[str], workdir: Path) -> Counters:
 
 
 def _deadline_s(task: Task) -> float:
-    """The demo's rule: three times a window's inner steps with the trainers sharing two
-    cores, plus 15 s, at least 30 s."""
-    workload = build_workload(task)
-    indices = list(range(workload.batch_size * 4))
-    workload.train_window(workload.initial_weights(), indices, steps=1, seed=0)
-    started = time.perf_counter()
-    workload.train_window(workload.initial_weights(), indices, steps=3, seed=1)
-    step_s = (time.perf_counter() - started) / 3
-    train_s = task.inner_steps * step_s * max(1.0, task.workers / 2)
-    return round(max(30.0, 3 * train_s + 15), 1)
+    """The demo's window deadline for the task."""
+    from p2ptrain.node.local_network import seconds_per_step, window_seconds
+
+    step_s = seconds_per_step(build_workload(task))
+    return window_seconds(step_s, task.inner_steps, task.workers)[1]
 
 
 def _evaluate_snapshots(
@@ -293,7 +295,7 @@ def _evaluate_snapshots(
     return points, [0, *(s.step for s in snapshots)]
 
 
-def _evaluate_heads(task: Task, run: Any) -> list[tuple[float, float]]:
+def _evaluate_heads(task: Task, run: NetworkRun) -> list[tuple[float, float]]:
     from p2ptrain.node.export import canonical_weights
 
     workload = build_workload(task, threads=WORKLOAD_THREADS)
@@ -302,14 +304,6 @@ def _evaluate_heads(task: Task, run: Any) -> list[tuple[float, float]]:
         *_, weights = canonical_weights(run.seed_dir, head_id)
         points.append((at, workload.evaluate(weights)))
     return points
-
-
-def _utilisation(run: Any) -> float | None:
-    from p2ptrain.node.events import compute_utilisation
-
-    shares = [compute_utilisation(events) for events in run.trained.values()]
-    measured = [s for s in shares if s is not None]
-    return round(sum(measured) / len(measured), 4) if measured else None
 
 
 def _ddp_formula_bytes(task: Task, steps: list[int]) -> list[int]:

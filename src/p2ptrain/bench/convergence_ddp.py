@@ -17,7 +17,6 @@ namespace).
 
 from __future__ import annotations
 
-import os
 import queue
 import secrets
 import socket
@@ -29,13 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2ptrain.bench.convergence_task import Placement, Task, WorkerRun, read_done
-from p2ptrain.bench.ddp_rank import rank_directory
+from p2ptrain.bench.children import child_env, log_tail
+from p2ptrain.bench.convergence_task import (
+    Placement,
+    Task,
+    WorkerRun,
+    rank_directory,
+    read_done,
+)
 from p2ptrain.errors import LocalError
 
 __all__ = ["DdpRun", "run_ddp"]
-
-_LOG_TAIL_CHARS = 3000
 
 
 @dataclass(frozen=True)
@@ -51,23 +54,6 @@ def _master_port(placement: Placement, host: str, address: str) -> int:
         probe.bind((address, 0))
         port: int = probe.getsockname()[1]
     return port
-
-
-def _child_env() -> dict[str, str]:
-    """This environment with this p2ptrain's source first on PYTHONPATH, so the ranks import
-    the same code as the caller."""
-    source = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (source, env.get("PYTHONPATH"))))
-    return env
-
-
-def _tail(path: Path) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"(cannot read {path}: {exc})"
-    return text[-_LOG_TAIL_CHARS:].strip() or "(empty)"
 
 
 def _wait_all(processes: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float) -> None:
@@ -91,15 +77,15 @@ def _wait_all(processes: list[subprocess.Popen[bytes]], logs: list[Path], timeou
             raise LocalError(
                 f"DDP ranks {ranks} did not finish within {timeout_s:g} s; their logs: "
                 f"{', '.join(str(logs[rank]) for rank in sorted(running))}. Give the run a "
-                f"longer timeout or a smaller task. Rank {min(running)}'s log ends:\n"
-                f"{_tail(logs[min(running)])}"
+                f"longer timeout or a smaller task. Rank {min(running)}: "
+                f"{log_tail(logs[min(running)])}"
             ) from None
         running.discard(rank)
         code = processes[rank].returncode
         if code != 0:
             raise LocalError(
-                f"DDP rank {rank} exited with status {code} (log {logs[rank]}); the other "
-                f"ranks were stopped. Its log ends:\n{_tail(logs[rank])}"
+                f"DDP rank {rank} exited with status {code}; the other ranks were stopped; "
+                f"{log_tail(logs[rank])}"
             )
 
 
@@ -134,7 +120,7 @@ def run_ddp(
     master = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
     rank_dirs = [rank_directory(workdir, rank) for rank in range(world)]
     logs = [workdir / f"rank{rank}.log" for rank in range(world)]
-    env = _child_env()
+    env = child_env()
     processes: list[subprocess.Popen[bytes]] = []
     launched = time.time()
     try:
@@ -170,7 +156,7 @@ def run_ddp(
         if done is None or "inner_seconds" not in done:
             raise LocalError(
                 f"DDP rank {rank} exited cleanly but left no done.json with inner_seconds in "
-                f"{directory}; its log ends:\n{_tail(logs[rank])}"
+                f"{directory}; {log_tail(logs[rank])}"
             )
         inner_seconds.append(float(done["inner_seconds"]))
     return DdpRun(launched, ended, rank_dirs[0], rank_dirs, logs, inner_seconds)

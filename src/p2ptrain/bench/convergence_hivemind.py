@@ -36,14 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from p2ptrain.bench.convergence_task import Placement, Task, WorkerRun, read_done
-from p2ptrain.bench.hivemind_peer import (
-    EPOCHS_FILE,
-    GO_LINE,
-    PROBE_TOLERANCE,
-    READY_PREFIX,
+from p2ptrain.bench.children import log_tail
+from p2ptrain.bench.convergence_task import (
+    Placement,
+    Task,
+    WorkerRun,
     rank_directory,
+    read_done,
 )
+from p2ptrain.bench.hivemind_peer import EPOCHS_FILE, GO_LINE, PROBE_TOLERANCE, READY_PREFIX
 from p2ptrain.errors import LocalError
 
 __all__ = [
@@ -68,7 +69,6 @@ HIVEMIND_VERSION: Final = "1.1.12"
 
 _MAKE_HINT = "run `make bench-anchors`"
 _CHECK_TIMEOUT_S = 120.0
-_LOG_TAIL_CHARS = 3000
 _JOIN_TIMEOUT_S = 5.0
 # Imports what a peer imports, and says what failed, as one JSON line.
 _CHECK = """
@@ -152,15 +152,6 @@ class HivemindRun(WorkerRun):
     steps: list[int]
     #: Epochs at whose end every peer held the same weights (averaged, see the module).
     averaged_epochs: int
-
-
-def _log_tail(log: Path) -> str:
-    try:
-        text = log.read_text(errors="replace")
-    except OSError as exc:
-        return f"(its log {log} does not read: {exc})"
-    tail = text[-_LOG_TAIL_CHARS:].strip()
-    return f"the end of its log {log}:\n{tail}" if tail else f"its log {log} is empty"
 
 
 class _Peers:
@@ -262,7 +253,7 @@ class _Launch:
         return f"hivemind peer rank {rank} (host {self.hosts[rank]}, {self.addresses[rank]})"
 
     def failed(self, rank: int, problem: str) -> LocalError:
-        return LocalError(f"{self.where(rank)} {problem}; {_log_tail(self.logs[rank])}")
+        return LocalError(f"{self.where(rank)} {problem}; {log_tail(self.logs[rank])}")
 
     def start(self, rank: int, initial: Sequence[str]) -> None:
         argv = [*self.placement.command_prefix(self.hosts[rank]), self.python]

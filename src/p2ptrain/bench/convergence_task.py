@@ -37,6 +37,7 @@ __all__ = [
     "WorkerRun",
     "build_workload",
     "load_snapshot",
+    "rank_directory",
     "read_done",
     "read_snapshots",
     "worker_batches",
@@ -177,6 +178,11 @@ class SnapshotWriter:
         """``done.json``: when the worker started and ended, and what else it measured."""
         record = {"started": self.started, "ended": time.time(), **figures}
         (self.directory / DONE_FILE).write_text(json.dumps(record, indent=1))
+
+
+def rank_directory(out: Path, rank: int) -> Path:
+    """Where worker ``rank`` writes its snapshots and ``done.json`` under ``out``."""
+    return out / f"rank{rank}"
 
 
 def read_snapshots(directory: Path) -> list[Snapshot]:

@@ -52,6 +52,7 @@ from p2ptrain.bench.convergence_task import (
     SnapshotWriter,
     Task,
     build_workload,
+    rank_directory,
     worker_batches,
     worker_weights,
 )
@@ -59,17 +60,12 @@ from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import inner_step
 from p2ptrain.torch.workload import TorchWorkload
 
-__all__ = ["gloo_interface", "main", "parse_master", "rank_directory", "run_rank"]
+__all__ = ["gloo_interface", "main", "parse_master", "run_rank"]
 
 #: How long a rank waits for the others to join, and for any one collective, by default.
 DEFAULT_TIMEOUT_S = 600.0
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
-
-
-def rank_directory(out: Path, rank: int) -> Path:
-    """Where rank ``rank`` writes its snapshots and ``done.json`` under ``out``."""
-    return out / f"rank{rank}"
 
 
 def parse_master(text: str) -> tuple[str, int]:

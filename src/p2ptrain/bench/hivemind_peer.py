@@ -2,7 +2,7 @@
 ``hivemind.Optimizer``, as a program the bench runs with the anchors interpreter::
 
     python -m p2ptrain.bench.hivemind_peer --task JSON --rank R --host ADDR --out DIR \\
-        [--initial-peers MULTIADDR ...] [--ready-file F] [--wait-for-go] [--verbose]
+        [--initial-peers MULTIADDR ...] [--wait-for-go] [--verbose]
 
 hivemind is the published reference for training over the internet, so the bench runs it
 as its authors intend, in its own virtual environment (``make bench-anchors``): it pins its
@@ -15,9 +15,9 @@ What a peer does:
   multiaddrs it sees itself at are the ones the others dial. NAT traversal is off (no UPnP
   port mapping, no AutoNAT, no relay): in the bench every peer reaches every other directly,
   and their probes would only add bytes on the wire;
-* prints ``READY_PREFIX`` and its multiaddrs as JSON on one stdout line (and writes them to
-  ``--ready-file``), then, with ``--wait-for-go``, waits for one line on stdin: the launcher
-  says go when every peer is up, so that no peer trains alone while the others still start;
+* prints ``READY_PREFIX`` and its multiaddrs as JSON on one stdout line, then, with
+  ``--wait-for-go``, waits for one line on stdin: the launcher says go when every peer is
+  up, so that no peer trains alone while the others still start;
   after its first step, a peer also waits until hivemind's progress tracker has seen every
   peer's progress (otherwise a fast peer ends its first epoch alone);
 * trains on its :func:`~p2ptrain.bench.convergence_task.worker_batches` as
@@ -66,6 +66,7 @@ from p2ptrain.bench.convergence_task import (
     SnapshotWriter,
     Task,
     build_workload,
+    rank_directory,
     worker_batches,
     worker_weights,
 )
@@ -82,7 +83,6 @@ __all__ = [
     "READY_PREFIX",
     "RUN_ID",
     "main",
-    "rank_directory",
     "weights_probe",
 ]
 
@@ -143,12 +143,6 @@ TRACKER_OPTS: Final[dict[str, float]] = {
 }
 
 
-def rank_directory(out: Path, rank: int) -> Path:
-    """Where rank ``rank`` writes ``done.json``, ``epochs.json`` (and, for rank 0, its
-    snapshots) under the peer's ``--out``."""
-    return out / f"rank{rank}"
-
-
 def weights_probe(weights: dict[str, torch.Tensor], count: int = PROBE_SIZE) -> list[float]:
     """The weights at ``count`` fixed positions, evenly spread over all of them (names in
     sorted order, each tensor flattened). hivemind's all-reduce leaves each peer the average
@@ -174,7 +168,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--initial-peers", nargs="*", default=[], help="multiaddrs of peers already up"
     )
-    parser.add_argument("--ready-file", type=Path, help="also write this peer's multiaddrs here")
     parser.add_argument(
         "--verbose", action="store_true", help="let hivemind log every epoch and averaging round"
     )
@@ -240,13 +233,8 @@ def _make_optimizer(dht: Any, workload: TorchWorkload, task: Task, *, verbose: b
     )
 
 
-def _announce(dht: Any, ready_file: Path | None) -> list[str]:
+def _announce(dht: Any) -> list[str]:
     maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-    if ready_file is not None:
-        ready_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = ready_file.with_name(ready_file.name + ".tmp")
-        partial.write_text(json.dumps(maddrs))
-        partial.replace(ready_file)
     print(READY_PREFIX + json.dumps(maddrs), flush=True)
     return maddrs
 
@@ -359,7 +347,6 @@ def run_peer(
     out: Path,
     *,
     initial_peers: Sequence[str] = (),
-    ready_file: Path | None = None,
     wait_for_go: bool = False,
     verbose: bool = False,
 ) -> None:
@@ -375,7 +362,7 @@ def run_peer(
     try:
         optimizer = _make_optimizer(dht, workload, task, verbose=verbose)
         try:
-            _announce(dht, ready_file)
+            _announce(dht)
             go = (lambda: _wait_for_go(where)) if wait_for_go else (lambda: None)
             _train(
                 workload,
@@ -404,7 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.host,
             args.out,
             initial_peers=args.initial_peers,
-            ready_file=args.ready_file,
             wait_for_go=args.wait_for_go,
             verbose=args.verbose,
         )

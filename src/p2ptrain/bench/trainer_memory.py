@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from p2ptrain.bench.children import child_env
 from p2ptrain.core.manifests import UPDATE_CODECS
 from p2ptrain.errors import LocalError
 
@@ -121,9 +121,7 @@ def run_trainer_memory_bench(
 def _run_child(name: str, config: MemoryBenchConfig, timeout_s: float) -> dict[str, Any]:
     """Runs one measurement in a fresh interpreter importing this same p2ptrain (killed and
     reaped by ``subprocess.run`` on a timeout or an interrupt)."""
-    source = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (source, env.get("PYTHONPATH"))))
+    env = child_env()
     command = [
         sys.executable,
         "-m",

@@ -39,7 +39,7 @@ from p2ptrain.node.events import (
     PeerReported,
     RoleFailure,
     Trained,
-    compute_utilisation,
+    mean_utilisation,
 )
 from p2ptrain.store.datadir import check_not_in_use
 
@@ -95,20 +95,6 @@ def add_parser(commands: Any) -> None:
     demo.set_defaults(handler=run_demo)
 
 
-def _seconds_per_step(workload: Any) -> float:
-    """Time a few inner steps of the workload on one thread (to size the deadline)."""
-    import torch
-
-    torch.set_num_threads(1)
-    weights = workload.initial_weights()
-    samples = len(workload.train_dataset) if hasattr(workload, "train_dataset") else 4
-    indices = list(range(max(1, min(workload.batch_size * 4, samples))))
-    workload.train_window(weights, indices, steps=1, seed=0)
-    started = time.perf_counter()
-    workload.train_window(weights, indices, steps=3, seed=1)
-    return (time.perf_counter() - started) / 3
-
-
 def demo_workload(experiment: DemoExperiment) -> Any:
     """The workload the demo trains, on the prepared shards its definition names (read from
     their directory) when it names some."""
@@ -132,7 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from p2ptrain.cli.demo_experiment import demo_experiment
-    from p2ptrain.node.local_network import LocalNetwork
+    from p2ptrain.node.local_network import LocalNetwork, seconds_per_step, window_seconds
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
@@ -140,11 +126,8 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     _wipe(workdir)
     experiment = demo_experiment(args.workload, args.experiment_toml)
-    step_s = _seconds_per_step(demo_workload(experiment))
-    cores = 2
-    # trainers share the cores; leave room for a slow window before giving up on a trainer
-    train_s = args.inner_steps * step_s * max(1.0, args.trainers / cores)
-    deadline_s = round(max(30.0, 3 * train_s + 15), 1)
+    step_s = seconds_per_step(demo_workload(experiment))
+    train_s, deadline_s = window_seconds(step_s, args.inner_steps, args.trainers)
     console.print(
         f"[bold]p2ptrain demo[/]: {args.trainers} trainers, 3 validators (quorum 2), 1 reducer, "
         f"1 seed; {args.windows} windows of {args.inner_steps} inner steps "
@@ -230,9 +213,7 @@ def _run(
         network.stop()
     network_s = time.monotonic() - started
     summary = _summarise(network, trainers, args, experiment, console=console)
-    shares = [compute_utilisation(trained.get(name, [])) for name in trainers]
-    measured = [share for share in shares if share is not None]
-    summary["compute_utilisation"] = round(sum(measured) / len(measured), 4) if measured else None
+    summary["compute_utilisation"] = mean_utilisation(trained.values())
     summary["network_seconds"] = round(network_s, 1)
     summary["seconds"] = round(time.monotonic() - started, 1)
     if args.json:

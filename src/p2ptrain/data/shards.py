@@ -38,7 +38,7 @@ import torch
 from p2ptrain.core.field_rules import MAX_NAME_CHARS, check_name
 from p2ptrain.core.manifests import MAX_SHARDS, DatasetManifest, ShardInfo
 from p2ptrain.errors import InvalidRecord, LocalError
-from p2ptrain.protocol.leases import Lease
+from p2ptrain.protocol.leases import Lease, lease_runs
 
 __all__ = ["MapDataset", "dataset_manifest", "lease_indices", "sample_bytes", "shard_blob_id"]
 
@@ -166,37 +166,5 @@ def dataset_manifest(dataset: MapDataset, *, name: str, samples_per_shard: int) 
 
 
 def lease_indices(dataset: DatasetManifest, lease: Lease) -> list[int]:
-    """The dataset indices a lease names: for each part ``(shard, start, count)`` in lease
-    order, the shard's indices ``start, start + 1, ...`` (``count`` of them, wrapping around
-    to the shard's first index after its last); shards start at the cumulative sample counts
-    of the shards before them in manifest order."""
-    starts: dict[str, tuple[int, int]] = {}
-    offset = 0
-    for shard in dataset.shards:
-        starts[shard.name] = (offset, shard.samples)
-        offset += shard.samples
-    indices: list[int] = []
-    for shard_name, start, count in lease.parts:
-        found = starts.get(shard_name)
-        if found is None:
-            raise LocalError(
-                f"the lease names shard {shard_name!r:.80}, which dataset {dataset.name!r} does "
-                "not have: the lease was computed for another experiment's dataset; recompute it "
-                "with lease_for() on this experiment's manifest"
-            )
-        first, samples = found
-        if not 0 <= count <= samples:
-            raise LocalError(
-                f"the lease takes {count} samples of shard {shard_name!r}, which holds "
-                f"{samples}; recompute the lease with lease_for() on this experiment's manifest"
-            )
-        if not 0 <= start < samples:
-            raise LocalError(
-                f"the lease starts at sample {start} of shard {shard_name!r}, which holds "
-                f"{samples} (0 to {samples - 1}); recompute the lease with lease_for() on this "
-                "experiment's manifest"
-            )
-        head = min(count, samples - start)
-        indices.extend(range(first + start, first + start + head))
-        indices.extend(range(first, first + count - head))
-    return indices
+    """The dataset indices a lease names, in lease order (:func:`lease_runs` says which)."""
+    return [index for begin, end in lease_runs(dataset, lease) for index in range(begin, end)]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import selectors
 import socket
 import struct
 import sys
@@ -106,7 +105,7 @@ class _MeteredTransport(_SocketTransport):  # type: ignore[misc]
 
 class _MeteredLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
-        super().__init__(selectors.DefaultSelector())
+        super().__init__()
         self.wire_meter = WireMeter()
 
     def _make_socket_transport(

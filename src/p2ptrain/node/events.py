@@ -8,7 +8,7 @@ demo, the Trainer API and the tests read fields, never string keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -31,6 +31,7 @@ __all__ = [
     "compute_utilisation",
     "decode_event",
     "encode_event",
+    "mean_utilisation",
     "update_outcome",
 ]
 
@@ -228,3 +229,10 @@ def compute_utilisation(trained: Sequence[Trained]) -> float | None:
     last = max(t.inner_ended_at for t in timed)
     busy = sum(t.inner_seconds for t in timed)
     return busy / (last - first) if last > first else 1.0
+
+
+def mean_utilisation(trainers: Iterable[Sequence[Trained]]) -> float | None:
+    """The mean :func:`compute_utilisation` of the trainers that trained (each given its
+    ``trained`` events), to 4 places; None if none did."""
+    shares = [share for t in trainers if (share := compute_utilisation(t)) is not None]
+    return round(sum(shares) / len(shares), 4) if shares else None

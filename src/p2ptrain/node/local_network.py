@@ -129,6 +129,30 @@ def experiment_toml(
     return "\n".join(lines)
 
 
+def seconds_per_step(workload: Any) -> float:
+    """A few inner steps of ``workload`` timed on one thread (one warm-up step first)."""
+    import torch
+
+    torch.set_num_threads(1)
+    weights = workload.initial_weights()
+    samples = len(workload.train_dataset) if hasattr(workload, "train_dataset") else 4
+    indices = list(range(max(1, min(workload.batch_size * 4, samples))))
+    workload.train_window(weights, indices, steps=1, seed=0)
+    started = time.perf_counter()
+    workload.train_window(weights, indices, steps=3, seed=1)
+    return (time.perf_counter() - started) / 3
+
+
+def window_seconds(
+    step_s: float, inner_steps: int, trainers: int, cores: int = 2
+) -> tuple[float, float]:
+    """(a window's training seconds, its deadline) for ``trainers`` sharing ``cores``: the
+    deadline leaves room for a slow window (three times the training, plus 15 s, at least
+    30 s) before the network gives up on a trainer."""
+    train_s = inner_steps * step_s * max(1.0, trainers / cores)
+    return train_s, round(max(30.0, 3 * train_s + 15), 1)
+
+
 class LocalNetwork:
     """Processes of one local network, their events, and their orderly end."""
 

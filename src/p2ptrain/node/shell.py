@@ -496,16 +496,16 @@ class Node:
         tip = serving.chain.tip
         bytes_sent = bytes_received = peers = banned = 0
         connections = Connections()
-        if net is not None:
-            n = net.statistics()
-            # without the kernel's counters: what the node pushed and gossiped, what it took in
-            bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
-            bytes_received = 0 if n.server is None else n.server.bytes_received
-            peers, banned = n.peers.peers, n.peers.banned
-            connections = Connections(outbound=n.outbound, inbound=n.inbound)
         meter = loop_meter()
         if meter is not None:
             bytes_sent, bytes_received = meter.totals()
+        if net is not None:
+            n = net.statistics()
+            if meter is None:  # what the node pushed and gossiped, and the uploads it took in
+                bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
+                bytes_received = 0 if n.server is None else n.server.bytes_received
+            peers, banned = n.peers.peers, n.peers.banned
+            connections = Connections(outbound=n.outbound, inbound=n.inbound)
         reasons = [r.machine.last_reason for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         data = next(

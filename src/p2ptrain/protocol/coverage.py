@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest
-from p2ptrain.errors import LocalError
-from p2ptrain.protocol.leases import Lease, lease_for
+from p2ptrain.protocol.leases import Lease, lease_for, lease_runs
 
 __all__ = ["Coverage", "lease_counts", "lease_coverage", "summarise_counts"]
 
@@ -45,34 +44,14 @@ class Coverage:
 
 def lease_counts(dataset: DatasetManifest, leases: Iterable[Lease]) -> np.ndarray:
     """For each sample of ``dataset`` (in dataset index order), how many of ``leases`` hold
-    it. A part names ``count`` samples from ``start`` on, wrapping around its shard's end."""
-    where: dict[str, tuple[int, int]] = {}
-    offset = 0
-    for shard in dataset.shards:
-        where[shard.name] = (offset, shard.samples)
-        offset += shard.samples
-    # Each run of consecutive indices [a, b) adds 1 at a and -1 at b; a part that wraps is
-    # two runs. The running sum of the differences is the count.
-    opens: list[int] = []
-    closes: list[int] = []
-    for lease in leases:
-        for name, start, count in lease.parts:
-            found = where.get(name)
-            if found is None:
-                raise LocalError(f"a lease names shard {name!r:.80}, which the dataset lacks")
-            first, samples = found
-            if not (0 <= start < samples and 0 <= count <= samples):
-                raise LocalError(
-                    f"a lease takes {count} samples from {start} of shard {name!r}, which "
-                    f"holds {samples}"
-                )
-            head = min(count, samples - start)
-            opens.append(first + start)
-            closes.append(first + start + head)
-            if count > head:
-                opens.append(first)
-                closes.append(first + count - head)
-    differences = np.zeros(offset + 1, dtype=np.int64)
+    it. Each run of consecutive indices ``[a, b)`` a lease names (:func:`lease_runs`: a part
+    that wraps is two runs) adds 1 at ``a`` and -1 at ``b``; the running sum of those
+    differences is the count."""
+    runs = [run for lease in leases for run in lease_runs(dataset, lease)]
+    opens = [begin for begin, _ in runs]
+    closes = [end for _, end in runs]
+    total = dataset.total_samples
+    differences = np.zeros(total + 1, dtype=np.int64)
     np.add.at(differences, np.asarray(opens, dtype=np.int64), 1)
     np.add.at(differences, np.asarray(closes, dtype=np.int64), -1)
     counts: np.ndarray = np.cumsum(differences[:-1])

@@ -20,11 +20,11 @@ import hashlib
 from dataclasses import dataclass
 
 from p2ptrain.core.certificate import Verdict
-from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest
 from p2ptrain.core.records import Update
 from p2ptrain.errors import LocalError
 
-__all__ = ["Lease", "LeaseBook", "check_lease", "lease_for", "lease_start"]
+__all__ = ["Lease", "LeaseBook", "check_lease", "lease_for", "lease_runs", "lease_start"]
 
 _DOMAIN = b"p2ptrain/v2/lease"
 _START_DOMAIN = b"p2ptrain/v2/lease-start"
@@ -90,6 +90,44 @@ def lease_for(
         parts.append((shard.name, start, take))
         needed -= take
     return Lease(window=window, peer_id=peer_id, parts=tuple(parts))
+
+
+def lease_runs(dataset: DatasetManifest, lease: Lease) -> list[tuple[int, int]]:
+    """The dataset indices a lease names, as half-open runs ``[a, b)`` in lease order: a part
+    ``(shard, start, count)`` takes the shard's indices ``start, start + 1, ...`` (``count``
+    of them, wrapping around to the shard's first index after its last: two runs); shards
+    start at the cumulative sample counts of the shards before them in manifest order."""
+    starts: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for shard in dataset.shards:
+        starts[shard.name] = (offset, shard.samples)
+        offset += shard.samples
+    runs: list[tuple[int, int]] = []
+    for shard_name, start, count in lease.parts:
+        found = starts.get(shard_name)
+        if found is None:
+            raise LocalError(
+                f"the lease names shard {shard_name!r:.80}, which dataset {dataset.name!r} does "
+                "not have: the lease was computed for another experiment's dataset; recompute it "
+                "with lease_for() on this experiment's manifest"
+            )
+        first, samples = found
+        if not 0 <= count <= samples:
+            raise LocalError(
+                f"the lease takes {count} samples of shard {shard_name!r}, which holds "
+                f"{samples}; recompute the lease with lease_for() on this experiment's manifest"
+            )
+        if not 0 <= start < samples:
+            raise LocalError(
+                f"the lease starts at sample {start} of shard {shard_name!r}, which holds "
+                f"{samples} (0 to {samples - 1}); recompute the lease with lease_for() on this "
+                "experiment's manifest"
+            )
+        head = min(count, samples - start)
+        runs.append((first + start, first + start + head))
+        if count > head:
+            runs.append((first, first + count - head))
+    return runs
 
 
 def check_lease(
