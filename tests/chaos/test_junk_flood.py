@@ -165,6 +165,7 @@ class Outsider:
     def _junk_proposal(self, index: int) -> Signed[Proposal]:
         # each id is in the proposal and its head: ~2 x 67 bytes of msgpack per id
         ids = tuple(sorted(secrets.token_hex(32) for _ in range(PROPOSAL_BYTES // 134)))
+        aggregate = secrets.token_hex(32)
         head = Head(
             experiment_id=self.experiment_id,
             height=self.open_window,
@@ -172,6 +173,7 @@ class Outsider:
             weights_blob=secrets.token_hex(32),
             optimizer_blob=None,
             accepted=ids,
+            aggregate_blob=aggregate,
         )
         proposal = Proposal(
             experiment_id=self.experiment_id,
@@ -180,7 +182,7 @@ class Outsider:
             reducer=self.identity.public_key,
             accepted=ids,
             rejected=(),
-            aggregate_blob=secrets.token_hex(32),
+            aggregate_blob=aggregate,
             head=head,
         )
         return seal(self.identity, proposal)

@@ -83,6 +83,7 @@ def head(experiment_id: str, height: int = 1, label: str = "a") -> Head:
         weights_blob=h(f"weights-{label}"),
         optimizer_blob=h(f"opt-{label}"),
         accepted=tuple(sorted([h(f"u1-{label}"), h(f"u2-{label}")])),
+        aggregate_blob=h(f"aggregate-{label}"),
     )
 
 
@@ -96,6 +97,7 @@ def child_head(parent: Head, label: str = "a", height: int | None = None) -> Hea
         weights_blob=h(f"weights-{height}-{label}"),
         optimizer_blob=None,
         accepted=(h(f"update-{height}-{label}"),),
+        aggregate_blob=h(f"aggregate-{height}-{label}"),
     )
 
 

@@ -192,6 +192,7 @@ def heads(draw: st.DrawFn, experiment_id: str | None = None, height: int | None 
             QuarantineEntry(peer_id=p, until_window=draw(st.integers(1, 10**6)), reason=draw(texts))
             for p in quarantined
         ),
+        aggregate_blob=None if h == 0 else draw(hex_ids),
     )
 
 
@@ -210,7 +211,7 @@ def proposals(draw: st.DrawFn, reducer: bytes | None = None) -> Proposal:
         reducer=reducer if reducer is not None else draw(keys),
         accepted=head.accepted,
         rejected=rejected,
-        aggregate_blob=draw(hex_ids),
+        aggregate_blob=head.aggregate_blob,
         head=head,
     )
 

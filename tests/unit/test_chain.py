@@ -82,6 +82,7 @@ def test_a_head_with_the_wrong_parent_is_refused() -> None:
         parent=h("not genesis"),
         weights_blob=h("weights"),
         optimizer_blob=None,
+        aggregate_blob=h("aggregate"),
     )
     verdict = chain.extend(orphan, certify(orphan))
     assert not verdict
@@ -134,6 +135,7 @@ def test_a_head_of_another_experiment_is_refused() -> None:
         parent=GENESIS.id,
         weights_blob=h("weights"),
         optimizer_blob=None,
+        aggregate_blob=h("aggregate"),
     )
     verdict = chain.extend(stranger, certify(stranger))
     assert not verdict

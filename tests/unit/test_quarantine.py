@@ -191,6 +191,7 @@ def test_standings_are_sorted_valid_records() -> None:
         weights_blob=h("w"),
         optimizer_blob=None,
         quarantine=standings,
+        aggregate_blob=h("aggregate"),
     )
     assert decode(Head, encode(head), max_bytes=1 << 16) == head
 

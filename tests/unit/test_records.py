@@ -75,7 +75,14 @@ def test_head_rules() -> None:
             weights_blob=h("w"),
             optimizer_blob=None,
             accepted=(h("b"), h("a")) if h("b") > h("a") else (h("a"), h("b")),
+            aggregate_blob=h("g"),
         )
+    with pytest.raises(InvalidRecord, match="aggregate_blob"):  # every later head names one
+        Head(experiment_id=h("e"), height=2, parent=h("p"), weights_blob=h("w"),
+             optimizer_blob=None)  # fmt: skip
+    with pytest.raises(InvalidRecord, match="aggregate_blob"):  # the genesis has none
+        Head(experiment_id=h("e"), height=0, parent=None, weights_blob=h("w"),
+             optimizer_blob=None, aggregate_blob=h("g"))  # fmt: skip
 
 
 def test_head_id_binds_parent_updates_and_weights() -> None:
@@ -85,8 +92,9 @@ def test_head_id_binds_parent_updates_and_weights() -> None:
         msgspec.structs.replace(base, parent=h("x")).id,
         msgspec.structs.replace(base, weights_blob=h("x")).id,
         msgspec.structs.replace(base, accepted=(h("only"),)).id,
+        msgspec.structs.replace(base, aggregate_blob=h("x")).id,
     }
-    assert len(ids) == 4
+    assert len(ids) == 5
 
 
 def test_proposal_must_agree_with_its_head() -> None:
@@ -99,7 +107,7 @@ def test_proposal_must_agree_with_its_head() -> None:
         "reducer": BOB.public_key,
         "accepted": new_head.accepted,
         "rejected": (Rejection(update_id=h("bad"), reason="norm 40x the cohort median"),),
-        "aggregate_blob": h("agg"),
+        "aggregate_blob": new_head.aggregate_blob,
         "head": new_head,
     }
     Proposal(**fields)  # type: ignore[arg-type]
@@ -107,6 +115,7 @@ def test_proposal_must_agree_with_its_head() -> None:
         ({"window": 6}, "head"),
         ({"base_head": h("elsewhere")}, "head"),
         ({"accepted": ()}, "head.accepted"),
+        ({"aggregate_blob": h("another")}, "head.aggregate_blob"),
         ({"rejected": (Rejection(update_id=new_head.accepted[0], reason="x"),)}, "rejected"),
     ]:
         with pytest.raises(InvalidRecord) as info:

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 
+from p2ptrain.aggregate.aggregate_blob import encode_aggregate
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import seal
@@ -183,7 +184,8 @@ def test_the_head_of_an_honest_cohort_is_the_hand_computed_one() -> None:
     assert result.head_id == head.id
     assert result.reason.startswith("4 accepted, 0 rejected")
     mean = {name: base_weights()[name] - value for name, value in expected.items()}
-    assert result.aggregate_blob == bytes(encode_state_dict(mean))
+    assert result.aggregate_blob == encode_aggregate(mean)
+    assert head.aggregate_blob == hashlib.sha256(result.aggregate_blob).hexdigest()
 
 
 def test_the_result_does_not_depend_on_cohort_order() -> None:
@@ -350,6 +352,7 @@ def test_a_quarantined_trainer_is_rejected_without_a_strike() -> None:
         optimizer_blob=None,
         accepted=(h("some-update"),),
         quarantine=quarantine,
+        aggregate_blob=h("aggregate-3"),
     )
     base = BaseState(head, head.id, base_weights())
     assert base.window == 4
@@ -375,6 +378,7 @@ def test_a_quarantine_ends_after_its_last_window() -> None:
         weights_blob=h("weights-3"),
         optimizer_blob=None,
         quarantine=(excluded,),
+        aggregate_blob=h("aggregate-3"),
     )
     base = BaseState(head, head.id, base_weights())
     back = submit(BAD, delta(4), base=base)

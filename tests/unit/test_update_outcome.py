@@ -24,6 +24,7 @@ def _head(accepted: tuple[str, ...] = (), quarantine: tuple[QuarantineEntry, ...
         optimizer_blob=None,
         accepted=tuple(sorted(accepted)),
         quarantine=quarantine,
+        aggregate_blob=h("aggregate"),
     )
 
 

@@ -16,7 +16,7 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 ADMISSION_POLICIES = ("open", "certificate")
 TRAINING_PROTOCOLS = ("diloco", "fedavg")

@@ -129,7 +129,9 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One point of the model's history. Its id binds parent, updates and weights."""
+    """One point of the model's history. Its id binds parent, updates, weights and the
+    aggregate that stepped the parent's weights to these (``aggregate_blob``, None only at
+    genesis): a follower holding the parent's state needs only the aggregate."""
 
     experiment_id: str
     height: int
@@ -138,6 +140,7 @@ class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     optimizer_blob: str | None
     accepted: tuple[str, ...] = ()
     quarantine: tuple[QuarantineEntry, ...] = ()
+    aggregate_blob: str | None = None
 
     def __post_init__(self) -> None:
         rules.check_hex_id("experiment_id", self.experiment_id)
@@ -147,6 +150,9 @@ class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             raise InvalidRecord("parent", "only the genesis head (height 0) has no parent")
         rules.check_hex_id("weights_blob", self.weights_blob)
         rules.check_optional_hex_id("optimizer_blob", self.optimizer_blob)
+        rules.check_optional_hex_id("aggregate_blob", self.aggregate_blob)
+        if (self.height == 0) != (self.aggregate_blob is None):
+            raise InvalidRecord("aggregate_blob", "every head but the genesis names its aggregate")
         rules.check_count("accepted", self.accepted, 0, MAX_UPDATES_PER_WINDOW)
         if self.height == 0 and self.accepted:
             raise InvalidRecord("accepted", "the genesis head accepts no updates")
@@ -200,6 +206,8 @@ class Proposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise InvalidRecord("head", "must have height = window and parent = base_head")
         if head.accepted != self.accepted:
             raise InvalidRecord("head.accepted", "must equal the proposal's accepted updates")
+        if head.aggregate_blob != self.aggregate_blob:
+            raise InvalidRecord("head.aggregate_blob", "must equal the proposal's aggregate")
 
     @property
     def id(self) -> str:

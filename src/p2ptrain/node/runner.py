@@ -33,6 +33,7 @@ from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import (
+    AggregateFetch,
     BlobFetch,
     ChainFetch,
     Effect,
@@ -296,6 +297,9 @@ class RoleRunner:
             return signed
         if isinstance(request, StateFetch):
             return await services.fetch_head_blobs(request.head, request.first)
+        if isinstance(request, AggregateFetch):
+            assert request.head.aggregate_blob is not None
+            return await services.fetch_blob(request.head.aggregate_blob, request.first)
         if isinstance(request, WindowSync):
             return await services.sync_window(request.window, request.held)
         address = None if request.peer is None else services.net.address_of(request.peer)
@@ -309,6 +313,7 @@ _FETCHING = {
     BlobFetch: "fetching an update",
     RecordFetch: "fetching a proposal's update",
     StateFetch: "fetching a head's weights",
+    AggregateFetch: "fetching a head's aggregate",
     ChainFetch: "catching up",
     WindowSync: "asking peers what the window holds",
 }

@@ -383,6 +383,10 @@ class Node:
         for blob in state or ():
             if blob is not None:
                 blobs.put(blob)
+        if head.aggregate_blob is not None and not blobs.has(head.aggregate_blob):
+            aggregate = machine.aggregate_of(action.head_id)
+            if aggregate is not None:  # peers that hold the parent fetch only this
+                blobs.put(aggregate)
         for height in range(self._stored_height + 1, machine.chain.height + 1):
             link = machine.chain.at(height)
             if link is not None and link.certificate is not None:

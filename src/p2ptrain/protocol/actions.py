@@ -15,6 +15,7 @@ from p2ptrain.core.records import Attestation, Head, Proposal, Update
 __all__ = [
     "Action",
     "Adopted",
+    "FetchAggregate",
     "FetchChain",
     "FetchState",
     "FetchUpdates",
@@ -90,6 +91,16 @@ class FetchState:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchAggregate:
+    """Fetch the aggregate of ``head`` from ``peer``: we hold its parent's state, so the
+    aggregate (and our own outer step, checked against the head) is all we need."""
+
+    peer: bytes | None
+    head: Head
+    head_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class FetchChain:
     """Fetch the certified heads above ``after_height`` from ``peer`` (catch-up), and the
     last one's weights."""
@@ -130,6 +141,7 @@ Action = (
     | SendCertificate
     | FetchUpdates
     | FetchState
+    | FetchAggregate
     | FetchChain
     | SyncWindow
     | Adopted

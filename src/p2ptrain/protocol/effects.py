@@ -18,6 +18,7 @@ from p2ptrain.core.records import Head, Update
 from p2ptrain.protocol.actions import Adopted, Reported, Train
 
 __all__ = [
+    "AggregateFetch",
     "BlobFetch",
     "ChainFetch",
     "Effect",
@@ -100,6 +101,17 @@ class StateFetch:
 
 
 @dataclass(frozen=True, slots=True)
+class AggregateFetch:
+    """The aggregate of a certified head whose parent's state we hold (the peers named
+    ``first``, then anyone holding it)."""
+
+    head: Head
+    head_id: str
+    first: tuple[str, ...]
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ChainFetch:
     """The certified heads above ``after_height`` and the last one's state (catch-up)."""
 
@@ -116,7 +128,7 @@ class WindowSync:
     held: frozenset[str]
 
 
-Request = BlobFetch | RecordFetch | StateFetch | ChainFetch | WindowSync
+Request = BlobFetch | RecordFetch | StateFetch | AggregateFetch | ChainFetch | WindowSync
 
 
 @dataclass(frozen=True, slots=True)

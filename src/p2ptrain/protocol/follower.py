@@ -2,9 +2,12 @@
 
 A follower verifies each certified head against its chain (:class:`HeadChain`), then needs
 the head's weights (and outer-optimizer state) before it can build on it: it either computed
-them itself (a validator that reduced the same cohort) or fetches them from the peer that
-sent the certificate, checking their hashes against the head. A certificate more than one
-height ahead starts a catch-up from that peer, verified link by link.
+them itself (a validator that reduced the same cohort), or, holding the parent's state,
+fetches only the head's aggregate and applies the outer step itself -- the result must hash
+to the head's weights and optimizer blobs, else it fetches the full state -- or fetches the
+full state from the peer that sent the certificate, checking its hashes against the head. A
+certificate more than one height ahead starts a catch-up from that peer, verified link by
+link.
 """
 
 from __future__ import annotations
@@ -15,16 +18,24 @@ from typing import Any
 
 import torch
 
+from p2ptrain.aggregate.aggregate_blob import decode_aggregate
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.identity import Identity, peer_id_of
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Head
-from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
+from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import ProtocolViolation
-from p2ptrain.protocol.actions import Action, Adopted, FetchChain, FetchState, Reported
+from p2ptrain.protocol.actions import (
+    Action,
+    Adopted,
+    FetchAggregate,
+    FetchChain,
+    FetchState,
+    Reported,
+)
 from p2ptrain.protocol.chain import HeadChain
-from p2ptrain.protocol.reduction import BaseState
+from p2ptrain.protocol.reduction import BaseState, outer_step
 
 __all__ = ["Follower", "FollowerStatistics"]
 
@@ -40,6 +51,8 @@ class FollowerStatistics:
     adopted_height: int
     conflicts: int
     last_reason: str
+    aggregates_applied: int
+    aggregate_mismatches: int
 
 
 class Follower:
@@ -48,6 +61,10 @@ class Follower:
 
     #: What the machine did last, or why the open window has no head yet.
     last_reason = "following the certified chain"
+    #: Heads adopted by applying their aggregate ourselves, and those where our outer step
+    #: did not give the certified weights (then the full state was fetched).
+    aggregates_applied = 0
+    aggregate_mismatches = 0
 
     def __init__(
         self,
@@ -61,6 +78,7 @@ class Follower:
         self.chain = HeadChain(manifest)
         self.experiment_id = self.chain.experiment_id
         self._schema_hash = schema_hash(genesis_weights)
+        self._schema = schema_of(genesis_weights)
         tip = self.chain.tip
         if sha256_hex(_encoded(genesis_weights)) != tip.head.weights_blob:
             raise ProtocolViolation("the genesis weights do not match manifest.genesis_weights")
@@ -96,6 +114,8 @@ class Follower:
             "adopted_height": self.base.head.height,
             "conflicts": len(self.chain.conflicts),
             "last_reason": self.last_reason,
+            "aggregates_applied": self.aggregates_applied,
+            "aggregate_mismatches": self.aggregate_mismatches,
         }
 
     # --- inputs --------------------------------------------------------------------------
@@ -118,7 +138,49 @@ class Follower:
         known = self._known_state(head_id)
         if known is not None:
             return self._adopt(now, known, verdict.reason)
+        if head.parent == self.base.head_id and head.aggregate_blob is not None:
+            return [FetchAggregate(sender, head, head_id)]
         return [FetchState(sender, head, head_id)]
+
+    def receive_aggregate(self, now: float, head_id: str, aggregate_blob: bytes) -> list[Action]:
+        """The aggregate of the chain's tip (its hash already checked against the head):
+        step our base with it and adopt the result if it hashes to the head's weights and
+        optimizer state; otherwise fetch the full state (a machine whose arithmetic
+        differs from the quorum's must still follow the chain)."""
+        tip = self.chain.tip
+        if tip.head_id != head_id or self.base.head_id == head_id:
+            return []
+        head = tip.head
+        if head.parent != self.base.head_id or head.aggregate_blob is None:
+            return [FetchState(None, head, head_id)]
+        if sha256_hex(aggregate_blob) != head.aggregate_blob:  # the transport checks it
+            return [FetchState(None, head, head_id)]
+        try:
+            pseudo_gradient = decode_aggregate(
+                aggregate_blob, self._schema, max_bytes=MAX_STATE_BYTES
+            )
+        except ProtocolViolation as error:
+            return [
+                Reported("state", f"certified aggregate does not decode: {error}"),
+                FetchState(None, head, head_id),
+            ]
+        step = outer_step(self.manifest, self.base, pseudo_gradient)
+        optimizer = None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob)
+        if sha256_hex(step.weights_blob) != head.weights_blob or optimizer != head.optimizer_blob:
+            self.aggregate_mismatches += 1
+            self.last_reason = (
+                f"height {head.height}: our outer step of the aggregate does not give the "
+                "certified weights; fetching the full state"
+            )
+            return [FetchState(None, head, head_id)]
+        self.aggregates_applied += 1
+        state = BaseState(head, head_id, step.weights, step.optimizer_state, aggregate_blob)
+        self._served = (head_id, (step.weights_blob, step.optimizer_blob))
+        return self._adopt(now, state, f"applied the aggregate of height {head.height}")
+
+    def aggregate_of(self, head_id: str) -> bytes | None:
+        """The encoded aggregate of ``head_id``, if this role holds it (to serve peers)."""
+        return self.base.aggregate if head_id == self.base.head_id else None
 
     def receive_state(
         self, now: float, head_id: str, weights_blob: bytes, optimizer_blob: bytes | None

@@ -151,7 +151,13 @@ class Participant(Follower):
         reduction = self._by_head.get(head_id)
         if reduction is None or reduction.head is None or reduction.weights is None:
             return None
-        return BaseState(reduction.head, head_id, reduction.weights, reduction.optimizer_state)
+        return BaseState(
+            reduction.head,
+            head_id,
+            reduction.weights,
+            reduction.optimizer_state,
+            reduction.aggregate_blob,
+        )
 
     @property
     def window(self) -> int:

@@ -39,6 +39,7 @@ from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Attestation, Head, Proposal, Update
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import (
+    AggregateFetch,
     BlobFetch,
     ChainFetch,
     Effect,
@@ -73,6 +74,8 @@ __all__ = [
 FETCH_ATTEMPTS = 6
 #: Tries of a certified head's weights (then the node's periodic sync catches up).
 STATE_ATTEMPTS = 12
+#: Tries of a head's aggregate before fetching its full state instead.
+AGGREGATE_ATTEMPTS = 3
 #: After this many tries a fetch asks anyone, not the peers named first.
 _NAMED_ATTEMPTS = 2
 #: Bytes of early updates and proposals kept per signer and in all.
@@ -137,6 +140,9 @@ class RolePolicy:
             return self.carry(
                 now, self.machine.receive_state(now, request.head_id, weights, optimizer)
             )
+        if isinstance(request, AggregateFetch):
+            self._fetching_states.discard(request.head_id)
+            return self.carry(now, self.machine.receive_aggregate(now, request.head_id, answer))
         if isinstance(request, ChainFetch):
             return self.chain(now, *answer)
         return []
@@ -153,6 +159,17 @@ class RolePolicy:
             if needed and request.attempt + 1 < STATE_ATTEMPTS:
                 return [self._again(request)]
             self._fetching_states.discard(request.head_id)
+        elif isinstance(request, AggregateFetch):
+            machine = self.machine
+            needed = (
+                machine.chain.tip.head_id == request.head_id
+                and machine.base.head_id != request.head_id
+            )
+            if needed and not proven_bad and request.attempt + 1 < AGGREGATE_ATTEMPTS:
+                return [self._again(request)]
+            self._fetching_states.discard(request.head_id)
+            if needed:  # nobody serves the aggregate: the full state will do
+                return self.carry(now, [act.FetchState(None, request.head, request.head_id)])
         return []
 
     # -- actions into effects ---------------------------------------------------------
@@ -173,6 +190,12 @@ class RolePolicy:
             self._fetching_states.add(action.head_id)
             first = () if action.peer is None else (peer_id_of(action.peer),)
             return [Fetch(StateFetch(action.head, action.head_id, first))]
+        if isinstance(action, act.FetchAggregate):
+            if action.head_id in self._fetching_states:
+                return []
+            self._fetching_states.add(action.head_id)
+            first = () if action.peer is None else (peer_id_of(action.peer),)
+            return [Fetch(AggregateFetch(action.head, action.head_id, first))]
         if isinstance(action, act.FetchChain):
             return [Fetch(ChainFetch(peer_id_of(action.peer), action.after_height))]
         if isinstance(action, act.Adopted):
@@ -186,9 +209,12 @@ class RolePolicy:
         return []
 
     @staticmethod
-    def _again(request: BlobFetch | RecordFetch | StateFetch) -> Fetch:
+    def _again(request: BlobFetch | RecordFetch | StateFetch | AggregateFetch) -> Fetch:
         attempt = request.attempt + 1
-        if isinstance(request, BlobFetch | StateFetch) and attempt >= _NAMED_ATTEMPTS:
+        if (
+            isinstance(request, BlobFetch | StateFetch | AggregateFetch)
+            and attempt >= _NAMED_ATTEMPTS
+        ):
             request = replace(request, first=())
         return Fetch(replace(request, attempt=attempt), backoff(request.attempt))
 

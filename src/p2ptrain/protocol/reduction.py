@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2ptrain.aggregate.aggregate_blob import encode_aggregate
 from p2ptrain.aggregate.codecs import decode_update, max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
@@ -35,7 +36,15 @@ from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.quarantine import excluded_until, next_standings
 
-__all__ = ["BaseState", "Reduction", "Submission", "belongs_to_window", "reduce_window"]
+__all__ = [
+    "BaseState",
+    "Reduction",
+    "Stepped",
+    "Submission",
+    "belongs_to_window",
+    "outer_step",
+    "reduce_window",
+]
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -48,6 +57,9 @@ class BaseState:
     head_id: str
     weights: Tensors
     optimizer_state: Tensors | None = None
+    #: The encoded aggregate that stepped the parent to this head, when this role holds it
+    #: (it computed the head or applied the aggregate itself): peers fetch it from us.
+    aggregate: bytes | None = None
 
     @property
     def window(self) -> int:
@@ -80,6 +92,33 @@ class Reduction:
     optimizer_state: dict[str, torch.Tensor] | None = None
     optimizer_blob: bytes | None = None
     aggregate_blob: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """The next weights and outer-optimizer state, and their canonical blobs (the head's
+    ``weights_blob`` and ``optimizer_blob`` are their hashes)."""
+
+    weights: dict[str, torch.Tensor]
+    weights_blob: bytes
+    optimizer_state: dict[str, torch.Tensor] | None
+    optimizer_blob: bytes | None
+
+
+def outer_step(manifest: ExperimentManifest, base: BaseState, pseudo_gradient: Tensors) -> Stepped:
+    """The manifest's outer step of ``base`` by the aggregate ``pseudo_gradient``: what a
+    reducer or validator computes for its proposal, and what a follower holding ``base``
+    computes from the head's aggregate (the same bits, so the same hashes)."""
+    step = make_outer_optimizer(manifest.outer_optimizer).step(
+        base.weights, pseudo_gradient, base.optimizer_state
+    )
+    state = dict(step.state) if step.state else None
+    return Stepped(
+        weights=step.params,
+        weights_blob=bytes(encode_state_dict(step.params)),
+        optimizer_state=state,
+        optimizer_blob=None if state is None else bytes(encode_state_dict(state)),
+    )
 
 
 def belongs_to_window(manifest_id: str, base: BaseState, update: Update) -> Verdict:
@@ -185,11 +224,8 @@ def reduce_window(
     if result.aggregate is None:
         return without_head(f"aggregation produced nothing: {result.reason}")
     pseudo_gradient = unflatten(result.aggregate, base.weights)
-    step = make_outer_optimizer(manifest.outer_optimizer).step(
-        base.weights, pseudo_gradient, base.optimizer_state
-    )
-    weights_blob = bytes(encode_state_dict(step.params))
-    optimizer_blob = bytes(encode_state_dict(step.state)) if step.state else None
+    aggregate_blob = encode_aggregate(pseudo_gradient)
+    step = outer_step(manifest, base, pseudo_gradient)
     standings = next_standings(
         base.head.quarantine,
         window,
@@ -201,10 +237,11 @@ def reduce_window(
         experiment_id=leases.experiment_id,
         height=window,
         parent=base.head_id,
-        weights_blob=sha256_hex(weights_blob),
-        optimizer_blob=None if optimizer_blob is None else sha256_hex(optimizer_blob),
+        weights_blob=sha256_hex(step.weights_blob),
+        optimizer_blob=None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob),
         accepted=accepted,
         quarantine=standings,
+        aggregate_blob=sha256_hex(aggregate_blob),
     )
     return Reduction(
         window=window,
@@ -213,9 +250,9 @@ def reduce_window(
         reason=f"{len(accepted)} accepted, {len(rejected)} rejected; {result.reason}",
         head=head,
         head_id=head.id,
-        weights=step.params,
-        weights_blob=weights_blob,
-        optimizer_state=dict(step.state) if step.state else None,
-        optimizer_blob=optimizer_blob,
-        aggregate_blob=bytes(encode_state_dict(pseudo_gradient)),
+        weights=step.weights,
+        weights_blob=step.weights_blob,
+        optimizer_state=step.optimizer_state,
+        optimizer_blob=step.optimizer_blob,
+        aggregate_blob=aggregate_blob,
     )

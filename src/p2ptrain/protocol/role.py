@@ -53,7 +53,13 @@ class RoleMachine(Protocol):
         sender: bytes,
     ) -> list[Action]: ...
 
+    def receive_aggregate(
+        self, now: float, head_id: str, aggregate_blob: bytes
+    ) -> list[Action]: ...
+
     def state_of(self, head_id: str) -> tuple[bytes, bytes | None] | None: ...
+
+    def aggregate_of(self, head_id: str) -> bytes | None: ...
 
     def next_wakeup(self, now: float) -> float | None:
         """When :meth:`tick` next has something to do (None: only inputs move it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from p2ptrain.aggregate.exact import flatten, unflatten
@@ -143,14 +144,8 @@ def proposal_to_send(
     if sender.behaviour != "lying_reducer":
         return signed
     honest = signed.record
-    lie = Head(
-        experiment_id=honest.head.experiment_id,
-        height=honest.head.height,
-        parent=honest.head.parent,
-        weights_blob=sha256_hex(b"lie" + honest.head.weights_blob.encode()),
-        optimizer_blob=honest.head.optimizer_blob,
-        accepted=honest.head.accepted,
-        quarantine=honest.head.quarantine,
+    lie = msgspec.structs.replace(
+        honest.head, weights_blob=sha256_hex(b"lie" + honest.head.weights_blob.encode())
     )
     fields: dict[str, Any] = {f: getattr(honest, f) for f in honest.__struct_fields__}
     fields["head"] = lie
@@ -173,6 +168,7 @@ def equivocate(
         parent=sender.machine.base.head_id,
         weights_blob=sha256_hex(f"forged/{record.height}".encode()),
         optimizer_blob=None,
+        aggregate_blob=sha256_hex(f"forged aggregate/{record.height}".encode()),
     )
     second = seal(sender.identity, Attestation(experiment_id=record.experiment_id,
                   height=record.height, head_id=forged.id, validator=record.validator))  # fmt: skip

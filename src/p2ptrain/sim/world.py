@@ -38,6 +38,7 @@ from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import (
+    AggregateFetch,
     BlobFetch,
     ChainFetch,
     Effect,
@@ -389,12 +390,13 @@ class World:
     def _keep_head(self, node: _Node, adopted: act.Adopted) -> None:
         """The adopted head's state is kept (peers fetch it from here)."""
         head = adopted.head
-        if head.weights_blob in node.blobs:
-            return
-        state = node.machine.state_of(adopted.head_id)
-        for blob in state or ():
-            if blob is not None:
-                node.blobs[sha256_hex(blob)] = blob
+        if head.weights_blob not in node.blobs:
+            for blob in node.machine.state_of(adopted.head_id) or ():
+                if blob is not None:
+                    node.blobs[sha256_hex(blob)] = blob
+        aggregate = node.machine.aggregate_of(adopted.head_id)
+        if aggregate is not None:
+            node.blobs[sha256_hex(aggregate)] = aggregate
 
     def _due(self, node: _Node, train: act.Train) -> None:
         if node.up and isinstance(node.policy, TrainerPolicy):
@@ -447,7 +449,7 @@ class World:
 
     def _target(self, node: _Node, request: Request) -> str | None:
         named: tuple[str | None, ...]
-        if isinstance(request, BlobFetch | StateFetch):
+        if isinstance(request, BlobFetch | StateFetch | AggregateFetch):
             named = request.first
         elif isinstance(request, RecordFetch):
             named = (request.proposer,)
@@ -471,6 +473,8 @@ class World:
             return None if raw is None else open_envelope(raw, Update)
         if isinstance(request, StateFetch):
             return self._state(node, request.head)
+        if isinstance(request, AggregateFetch):
+            return node.blobs.get(request.head.aggregate_blob or "")
         return None  # a catch-up always asks a peer
 
     def _state(self, node: _Node, head: Head) -> tuple[bytes, bytes | None] | None:
@@ -525,6 +529,11 @@ class World:
             if answer.record_id != request.update_id:
                 self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
                 return
+        elif isinstance(request, AggregateFetch):
+            if sha256_hex(answer) != request.head.aggregate_blob:
+                self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
+                return
+            node.blobs[sha256_hex(answer)] = answer
         elif isinstance(request, WindowSync):
             answer = self._admitted(node, answer)
         elif isinstance(request, StateFetch | ChainFetch):

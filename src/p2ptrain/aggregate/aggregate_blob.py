@@ -1,0 +1,124 @@
+"""The canonical encoding of a window's aggregate pseudo-gradient (the head's
+``aggregate_blob``).
+
+A certified head binds the aggregate that produced it, so a follower that holds the parent's
+weights and outer-optimizer state downloads only the aggregate, applies the outer step itself
+and checks the result against the head's weights and optimizer hashes (DESIGN §4 step 5,
+``docs/protocol.md`` §10). Sparse codecs give sparse aggregates, so each tensor is stored
+sparse when that is smaller:
+
+``__aggregate__``   uint8: ``p2ptrain-aggregate/1`` (the format tag).
+``<name>/dense``    float32, the tensor's shape: every value, or
+``<name>/counts``   int32, ``(ceil(numel / 65536),)``: how many stored values fall in each
+                    chunk of 65,536 flattened positions;
+``<name>/offsets``  int16, ``(nnz,)``: each stored value's position within its chunk, minus
+                    32,768 (so 0..65,535 fits), strictly increasing within a chunk;
+``<name>/values``   float32, ``(nnz,)``: the stored values.
+
+A value is stored unless its bits are those of ``+0.0`` (``-0.0`` is stored: the outer step
+must see the same bits). The sparse form is used exactly when ``6 * nnz + 4 * chunks <
+4 * numel``. Encoding is a pure function of the tensors' bits, so every reducer and validator
+that computed the same aggregate writes the same bytes and the same hash; decoding checks
+everything and gives the tensors back bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import torch
+
+from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict
+from p2ptrain.errors import ProtocolViolation
+
+__all__ = ["AGGREGATE_FORMAT", "decode_aggregate", "encode_aggregate"]
+
+AGGREGATE_FORMAT: Final = "p2ptrain-aggregate/1"
+_TAG: Final = "__aggregate__"
+_CHUNK: Final = 1 << 16
+_OFFSET_BIAS: Final = 1 << 15
+
+
+def _chunks(numel: int) -> int:
+    return math.ceil(numel / _CHUNK)
+
+
+def _sparse_is_smaller(nnz: int, numel: int) -> bool:
+    return 6 * nnz + 4 * _chunks(numel) < 4 * numel
+
+
+def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The canonical bytes of an aggregate (float32 CPU tensors, any names)."""
+    container: dict[str, torch.Tensor] = {
+        _TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)
+    }
+    for name, tensor in tensors.items():
+        flat = tensor.detach().reshape(-1)
+        stored = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
+        if not _sparse_is_smaller(stored.numel(), flat.numel()):
+            container[f"{name}/dense"] = flat.reshape(tensor.shape)
+            continue
+        counts = torch.bincount(stored // _CHUNK, minlength=_chunks(flat.numel()))
+        container[f"{name}/counts"] = counts.to(torch.int32)
+        container[f"{name}/offsets"] = (stored % _CHUNK - _OFFSET_BIAS).to(torch.int16)
+        container[f"{name}/values"] = flat[stored]
+    return bytes(encode_state_dict(container))
+
+
+def decode_aggregate(
+    blob: bytes | bytearray, schema: Iterable[TensorSpec], *, max_bytes: int
+) -> dict[str, torch.Tensor]:
+    """The aggregate's float32 tensors, one per ``schema`` entry. Raises
+    :class:`ProtocolViolation` for any bytes :func:`encode_aggregate` would not write."""
+    parts = decode_state_dict(blob, max_bytes=max_bytes)
+    tag = parts.pop(_TAG, None)
+    if tag is None or bytes(tag.tolist()) != AGGREGATE_FORMAT.encode():
+        raise ProtocolViolation(f"not a {AGGREGATE_FORMAT} blob (its format tag is missing)")
+    out: dict[str, torch.Tensor] = {}
+    for spec in schema:
+        out[spec.name] = _decode_one(spec, parts)
+    if parts:
+        raise ProtocolViolation(f"aggregate holds parts of no parameter: {sorted(parts)[:3]}")
+    return out
+
+
+def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    name, numel = spec.name, math.prod(spec.shape)
+    dense = parts.pop(f"{name}/dense", None)
+    sparse = [parts.pop(f"{name}/{part}", None) for part in ("counts", "offsets", "values")]
+    if dense is not None:
+        if any(part is not None for part in sparse):
+            raise ProtocolViolation(f"aggregate {name!r} is both dense and sparse")
+        if dense.dtype != torch.float32 or tuple(dense.shape) != spec.shape:
+            raise ProtocolViolation(f"aggregate {name!r} is not float32 {spec.shape}")
+        if _sparse_is_smaller(int(dense.reshape(-1).view(torch.int32).ne(0).sum()), numel):
+            raise ProtocolViolation(f"aggregate {name!r} is dense where sparse is canonical")
+        return dense
+    counts, offsets, values = sparse
+    if counts is None or offsets is None or values is None:
+        raise ProtocolViolation(f"aggregate lacks parameter {name!r}")
+    chunks, nnz = _chunks(numel), values.numel()
+    if (
+        counts.dtype != torch.int32
+        or tuple(counts.shape) != (chunks,)
+        or offsets.dtype != torch.int16
+        or values.dtype != torch.float32
+        or tuple(offsets.shape) != (nnz,)
+        or tuple(values.shape) != (nnz,)
+    ):
+        raise ProtocolViolation(f"aggregate {name!r}: parts have the wrong dtypes or shapes")
+    if not _sparse_is_smaller(nnz, numel):
+        raise ProtocolViolation(f"aggregate {name!r} is sparse where dense is canonical")
+    if bool(counts.lt(0).any()) or int(counts.sum()) != nnz:
+        raise ProtocolViolation(f"aggregate {name!r}: chunk counts do not add up to its values")
+    chunk_of = torch.repeat_interleave(torch.arange(chunks, dtype=torch.int64), counts.long())
+    positions = chunk_of * _CHUNK + offsets.long() + _OFFSET_BIAS
+    if nnz and (int(positions[-1]) >= numel or not bool(positions[1:].gt(positions[:-1]).all())):
+        raise ProtocolViolation(f"aggregate {name!r}: positions out of order or out of range")
+    if bool(values.view(torch.int32).eq(0).any()):
+        raise ProtocolViolation(f"aggregate {name!r} stores a +0.0 it must leave out")
+    flat = torch.zeros(numel, dtype=torch.float32)
+    flat.index_copy_(0, positions, values)
+    return flat.reshape(spec.shape)

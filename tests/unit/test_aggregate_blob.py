@@ -1,0 +1,133 @@
+"""The canonical aggregate encoding: exact round trips (signed zeros included), the sparse
+form exactly when it is smaller, and every non-canonical blob refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.aggregate.aggregate_blob import decode_aggregate, encode_aggregate
+from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
+from p2ptrain.errors import ProtocolViolation
+
+LIMIT = 1 << 30
+
+
+def _round_trip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return decode_aggregate(encode_aggregate(tensors), schema_of(tensors), max_bytes=LIMIT)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _sparse(numel: int, positions: list[int], value: float = 0.5) -> torch.Tensor:
+    flat = torch.zeros(numel)
+    flat[positions] = value
+    return flat
+
+
+def test_a_sparse_aggregate_round_trips_bit_for_bit_and_is_small() -> None:
+    big = _sparse(300_000, list(range(0, 300_000, 50)))  # 2% dense, over several chunks
+    big[7] = -0.0  # a signed zero is a value the outer step must see
+    tensors = {"w": big.reshape(600, 500), "b": torch.randn(10)}
+    back = _round_trip(tensors)
+    assert all(_same_bits(tensors[n], back[n]) for n in tensors)
+    blob = encode_aggregate(tensors)
+    assert len(blob) < 0.05 * 300_000 * 4  # 6 bytes per stored value, not 4 per element
+    parts = decode_state_dict(blob, max_bytes=LIMIT)
+    assert {"w/counts", "w/offsets", "w/values", "b/dense"} <= set(parts)
+    assert parts["w/values"].numel() == 6000 + 1
+
+
+def test_the_same_aggregate_always_gives_the_same_bytes() -> None:
+    tensors = {"a": _sparse(1000, [3, 999]), "b": torch.ones(4)}
+    assert encode_aggregate(tensors) == encode_aggregate({k: v.clone() for k, v in tensors.items()})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 140_000),
+            st.lists(st.floats(width=32, allow_nan=False), min_size=0, max_size=40),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_any_aggregate_round_trips(shapes: list[tuple[int, list[float]]], rng: object) -> None:
+    tensors = {}
+    for i, (numel, values) in enumerate(shapes):
+        flat = torch.zeros(numel)
+        for value in values:
+            if numel:
+                flat[rng.randrange(numel)] = value  # type: ignore[attr-defined]
+        tensors[f"t{i}"] = flat
+    back = _round_trip(tensors)
+    assert all(_same_bits(tensors[n], back[n]) for n in tensors)
+
+
+def _tampered(tensors: dict[str, torch.Tensor], **parts: torch.Tensor | None) -> bytes:
+    container = decode_state_dict(encode_aggregate(tensors), max_bytes=LIMIT)
+    for name, value in parts.items():
+        key = name if name == "__aggregate__" else name.replace("__", "/")
+        if value is None:
+            container.pop(key)
+        elif key.endswith("/offsets"):
+            container[key] = value.to(torch.int16)
+        else:
+            container[key] = value
+    return bytes(encode_state_dict(container))
+
+
+SPARSE = {"w": _sparse(70_000, [1, 2, 66_000])}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"__aggregate__": None}, "format tag"),
+        ({"w__values": torch.tensor([0.5, 0.0, 0.5])}, r"\+0.0"),
+        ({"w__counts": torch.tensor([3, 1], dtype=torch.int32)}, "add up"),
+        ({"w__counts": torch.tensor([-1, 4], dtype=torch.int32)}, "add up"),
+        ({"w__offsets": torch.tensor([2, 1, 464]) - 32768}, "out of order"),
+        ({"w__offsets": torch.tensor([1, 2, 65535]) - 32768}, "out of range"),
+        ({"w__counts": None}, "lacks parameter"),
+        ({"w__dense": torch.zeros(70_000)}, "both dense and sparse"),
+        ({"x__dense": torch.zeros(3)}, "parts of no parameter"),
+        ({"w__values": torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)}, "dtypes or shapes"),
+    ],
+)
+def test_a_non_canonical_aggregate_is_refused(
+    changes: dict[str, torch.Tensor | None], message: str
+) -> None:
+    with pytest.raises(ProtocolViolation, match=message):
+        decode_aggregate(_tampered(SPARSE, **changes), schema_of(SPARSE), max_bytes=LIMIT)
+
+
+def test_dense_where_sparse_is_canonical_and_the_reverse_are_refused() -> None:
+    tag = decode_state_dict(encode_aggregate(SPARSE), max_bytes=LIMIT)["__aggregate__"]
+    dense_blob = bytes(encode_state_dict({"__aggregate__": tag, "w/dense": SPARSE["w"]}))
+    with pytest.raises(ProtocolViolation, match="sparse is canonical"):
+        decode_aggregate(dense_blob, schema_of(SPARSE), max_bytes=LIMIT)
+    full = {"w": torch.ones(8)}
+    positions = torch.arange(8)
+    sparse_blob = bytes(
+        encode_state_dict(
+            {
+                "__aggregate__": tag,
+                "w/counts": torch.tensor([8], dtype=torch.int32),
+                "w/offsets": (positions - 32768).to(torch.int16),
+                "w/values": torch.ones(8),
+            }
+        )
+    )
+    with pytest.raises(ProtocolViolation, match="dense is canonical"):
+        decode_aggregate(sparse_blob, schema_of(full), max_bytes=LIMIT)
+    assert math.isclose(float(_round_trip(full)["w"].sum()), 8.0)
