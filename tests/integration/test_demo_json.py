@@ -1,5 +1,7 @@
 """``p2ptrain demo --json`` reports what its trainers measured: bytes sent and received on
-their connections (the kernel's count) and the share of their time spent in inner steps."""
+their connections (the kernel's count) and the share of their time spent in inner steps.
+It runs with ``--staleness 1`` (trainers train ahead of the certified chain), and the
+trainers follow the chain by applying each head's aggregate themselves."""
 
 from __future__ import annotations
 
@@ -12,19 +14,27 @@ from pathlib import Path
 def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "demo", "--workdir", str(tmp_path / "demo"),
-         "--windows", "2", "--inner-steps", "5", "--trainers", "2", "--json", "--no-baseline"],
+         "--windows", "3", "--inner-steps", "5", "--trainers", "2", "--json", "--no-baseline",
+         "--staleness", "1"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
-    assert summary["windows_certified"] >= 2
+    assert summary["windows_certified"] >= 3
     weights_bytes = 4 * summary["parameters"]
     sent, received = summary["bytes_per_trainer_sent"], summary["bytes_per_trainer_received"]
     assert summary["bytes_measured"] == "tcp"
     # each trainer uploaded two int8 updates (a quarter of the fp32 weights, each) ...
     assert sent > 2 * weights_bytes // 4
-    # ... and downloaded each new head's fp32 weights
-    assert received > 2 * weights_bytes
+    # ... and downloaded the genesis weights, then each head's aggregate (dense fp32 for a
+    # dense codec), never a head's weights and momentum
+    assert 2 * weights_bytes < received < 6 * weights_bytes
     assert summary["bytes_per_trainer"] == sent + received
     assert summary["ddp_bytes_formula"].startswith("ring all-reduce")
     assert 0 < summary["compute_utilisation"] <= 1
+    for trainer in ("trainer-0", "trainer-1"):
+        status = json.loads((tmp_path / "demo" / trainer / "status.json").read_text())
+        statistics = status["role_states"][0]["statistics"]
+        assert statistics["aggregates_applied"] >= 2
+        assert statistics["aggregate_mismatches"] == 0
+        assert 0 < status["trainer"]["compute_utilisation"] <= 1

@@ -113,3 +113,20 @@ def test_nobody_serving_the_aggregate_means_the_full_state_is_fetched() -> None:
     (full,) = policy.fetch_failed(2.0, request, proven_bad=False)
     assert isinstance(full, Fetch) and isinstance(full.request, StateFetch)
     assert full.request.head_id == reduction.head_id
+
+
+def test_a_follower_behind_by_a_few_heads_follows_them_link_by_link() -> None:
+    follower = Follower(MANIFEST, identity(7), WORKLOAD.genesis())
+    one = _reduce(follower.base)
+    assert one.head is not None and one.head_id is not None and one.weights is not None
+    two = _reduce(BaseState(one.head, one.head_id, one.weights, one.optimizer_state))
+    assert two.head_id is not None and one.aggregate_blob and two.aggregate_blob
+    _certified(follower, one)
+    (still,) = _certified(follower, two)  # head 2 came before head 1's aggregate
+    assert isinstance(still, act.FetchAggregate) and still.head_id == one.head_id
+    adopted, following = follower.receive_aggregate(1.0, one.head_id, one.aggregate_blob)
+    assert isinstance(adopted, act.Adopted) and adopted.head.height == 1
+    assert isinstance(following, act.FetchAggregate) and following.head_id == two.head_id
+    (last,) = follower.receive_aggregate(1.0, two.head_id, two.aggregate_blob)
+    assert isinstance(last, act.Adopted) and follower.base.head_id == two.head_id
+    assert follower.statistics().aggregates_applied == 2

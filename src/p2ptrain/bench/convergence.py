@@ -420,6 +420,7 @@ def _report(
         "trainers": task.workers,
         "windows": task.windows,
         "inner_steps": task.inner_steps,
+        "staleness": task.staleness,
         "samples": task.workers * task.steps * int(task.config.get("batch_size", 0) or 0),
         "target_val_loss": None if target is None else round(target, 4),
         "bytes_ratio_vs_ddp": _ratio(

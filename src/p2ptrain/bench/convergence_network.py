@@ -82,6 +82,7 @@ def run_network(
         inner_lr=task.lr,
         study="bench",
         name="convergence",
+        staleness=task.staleness,
     )
     path = network.write_experiment(toml)
 

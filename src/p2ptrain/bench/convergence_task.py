@@ -57,6 +57,8 @@ class Task:
     inner_steps: int = 50
     config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONFIG))
     seed: int = 0
+    #: Our network's window.staleness (DDP and hivemind have no such setting).
+    staleness: int = 0
 
     @property
     def steps(self) -> int:

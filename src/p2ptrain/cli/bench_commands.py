@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from p2ptrain.cli.usage import show_usage
+from p2ptrain.core.manifests import MAX_STALENESS
 
 
 def add_parsers(commands: Any) -> None:
@@ -206,6 +207,13 @@ def _add_convergence(sub: Any) -> None:
         help=f"steps per window; DDP runs windows x this many (default {task.inner_steps})",
     )
     convergence.add_argument(
+        "--staleness",
+        type=int,
+        default=task.staleness,
+        help="our network's window.staleness: 1 trains the next window while one is "
+        f"certified (default {task.staleness})",
+    )
+    convergence.add_argument(
         "--systems",
         default="ddp,p2ptrain,hivemind",
         help="which to run, comma-separated (default ddp,p2ptrain,hivemind)",
@@ -239,8 +247,15 @@ def run_convergence_bench(args: argparse.Namespace) -> int:
         raise LocalError(
             "--trainers >= 2, --windows >= 1, --inner-steps >= 1 and --link-mbit > 0, please"
         )
+    if not 0 <= args.staleness <= MAX_STALENESS:
+        raise LocalError(f"--staleness must be 0 to {MAX_STALENESS}, got {args.staleness}")
     settings = ConvergenceSettings(
-        task=Task(workers=args.trainers, windows=args.windows, inner_steps=args.inner_steps),
+        task=Task(
+            workers=args.trainers,
+            windows=args.windows,
+            inner_steps=args.inner_steps,
+            staleness=args.staleness,
+        ),
         link_mbit=args.link_mbit,
         netns=not args.no_netns,
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from p2ptrain.core.manifests import MAX_STALENESS
 from p2ptrain.errors import DataDirInUse, LocalError
 from p2ptrain.node.events import (
     Exited,
@@ -75,6 +76,13 @@ def add_parser(commands: Any) -> None:
         type=int,
         default=int(DEMO_DEFAULTS["inner_steps"]),
         help=f"H, inner steps per window (default {int(DEMO_DEFAULTS['inner_steps'])})",
+    )
+    demo.add_argument(
+        "--staleness",
+        type=int,
+        default=int(DEMO_DEFAULTS["staleness"]),
+        help="window.staleness: 1 trains the next window while one is certified "
+        f"(default {int(DEMO_DEFAULTS['staleness'])})",
     )
     demo.add_argument("--trainers", type=int, default=4, help="trainer processes (default 4)")
     demo.add_argument(
@@ -122,6 +130,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
+    if not 0 <= args.staleness <= MAX_STALENESS:
+        raise LocalError(f"--staleness must be 0 to {MAX_STALENESS}, got {args.staleness}")
     console = Console(stderr=True)
     workdir = Path(args.workdir).resolve()
     _wipe(workdir)
@@ -180,6 +190,7 @@ def _run(
             "proposal_s": 10.0,
             "min_updates": max(1, args.trainers // 2),
             "max_updates": args.trainers,
+            "staleness": args.staleness,
         },
     }
     toml = demo_toml(

@@ -37,6 +37,7 @@ AGGREGATION_RULES = (
 )
 
 MAX_CONFIG_ENTRIES = 64
+MAX_STALENESS = 4
 MAX_VALIDATORS = 256
 MAX_SHARDS = 100_000
 #: The largest shard file of a ``sharded`` dataset (a shard is fetched whole).
@@ -223,8 +224,13 @@ class WindowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     min_updates: int = 1
     max_updates: int = 1000
     proposal_s: float = 15.0
+    #: How many heads an update may lag: an update of window ``w`` builds on the head at
+    #: height ``w - 1`` (staleness 0) or on one of the ``staleness`` heads before it. With
+    #: 1, trainers train window ``w + 1`` while window ``w`` is being certified.
+    staleness: int = 0
 
     def __post_init__(self) -> None:
+        rules.check_int("window.staleness", self.staleness, 0, MAX_STALENESS)
         rules.check_float("window.deadline_s", self.deadline_s, 0.01, 86400.0)
         rules.check_float("window.proposal_s", self.proposal_s, 0.01, 86400.0)
         rules.check_int("window.min_updates", self.min_updates, 1, 1_000_000)

@@ -94,6 +94,7 @@ def experiment_toml(
     inner_lr: float = 1e-3,
     study: str = "demo",
     name: str = "shakespeare",
+    staleness: int = 0,
 ) -> str:
     """An experiment definition for a registered workload (the seed fills in the dataset,
     schema hash, genesis weights and lease size)."""
@@ -124,6 +125,7 @@ def experiment_toml(
         f"proposal_s = {float(proposal_s)!r}",
         f"min_updates = {min_updates}",
         f"max_updates = {max_updates}",
+        f"staleness = {staleness}",
         "",
     ]
     return "\n".join(lines)

@@ -69,6 +69,9 @@ class TrainerWindow(_Record, frozen=True):
     loss_after: float
     seconds: float
     blob_bytes: int
+    #: Seconds in inner steps over the wall seconds from the first to the last (None before
+    #: a window finished; 1.0: the trainer never waited).
+    compute_utilisation: float | None = None
 
 
 class ValidationMetrics(_Record, frozen=True):

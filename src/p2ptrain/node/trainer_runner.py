@@ -18,7 +18,9 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
 
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
@@ -27,7 +29,14 @@ from p2ptrain.core.manifests import ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.node.events import NodeEvent, Published, ShardsFetched, Trained, TrainingStarted
+from p2ptrain.node.events import (
+    NodeEvent,
+    Published,
+    ShardsFetched,
+    Trained,
+    TrainingStarted,
+    compute_utilisation,
+)
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
@@ -87,6 +96,13 @@ class TrainerRunner(RoleRunner):
         )
         self._train_ready = asyncio.Event()
         self._pending: act.Train | None = None
+        #: The head a Train names, as the machine held it when it asked (a trainer ahead
+        #: of the chain may start after the head moved on).
+        self._train_base: BaseState = machine.base
+        #: Every window trained (its compute utilisation is in the status).
+        self._trained: list[Trained] = []
+        #: Our own pseudo-gradients of windows no certified head we hold includes yet.
+        self._own: dict[int, dict[str, torch.Tensor]] = {}
 
     def forever(self) -> Iterator[tuple[str, Step]]:
         yield "waiting to train", self._train_forever()
@@ -98,6 +114,8 @@ class TrainerRunner(RoleRunner):
 
     def do(self, effect: Effect) -> None:
         if isinstance(effect, act.Train):
+            if self.machine.base.head_id == effect.base_head:
+                self._train_base = self.machine.base
             self._pending = effect
             self._train_ready.set()
         elif isinstance(effect, Publish) and effect.blob is not None:  # our update
@@ -113,7 +131,7 @@ class TrainerRunner(RoleRunner):
             await self._train_ready.wait()
             self._train_ready.clear()
             action, self._pending = self._pending, None
-            if action is None or action.base_head != machine.base.head_id:
+            if action is None or not machine.training(action):
                 continue
             failures = self.failures.in_a_row(self.role)
             with self.guard(TRAIN_STEP, action.window):
@@ -130,7 +148,9 @@ class TrainerRunner(RoleRunner):
             self.execute(self.policy.train_due(time.monotonic(), effect.train))
 
     async def _train(self, action: act.Train) -> None:
-        base = self.machine.base
+        base = self._train_base
+        if base.head_id != action.base_head:
+            return  # asked before the head we hold now: a newer Train follows
         started = time.monotonic()
         await self._lease_data(self.machine.lease(action.window))
         self.emit(
@@ -142,25 +162,27 @@ class TrainerRunner(RoleRunner):
         )
         update = await asyncio.to_thread(self._train_window, action, base)
         blob, before, after = update.blob, update.loss_before, update.loss_after
-        self.last_trained = TrainerWindow(
+        trained = Trained(
+            peer_id=self.peer_id,
             window=action.window,
             loss_before=before,
             loss_after=after,
             seconds=round(time.monotonic() - started, 2),
             blob_bytes=len(blob),
+            inner_seconds=round(update.inner_seconds, 4),
+            inner_ended_at=update.inner_ended_at,
         )
-        self.emit(
-            Trained(
-                peer_id=self.peer_id,
-                window=action.window,
-                loss_before=before,
-                loss_after=after,
-                seconds=self.last_trained.seconds,
-                blob_bytes=len(blob),
-                inner_seconds=round(update.inner_seconds, 4),
-                inner_ended_at=update.inner_ended_at,
-            )
+        self._trained.append(trained)
+        share = compute_utilisation(self._trained)
+        self.last_trained = TrainerWindow(
+            window=action.window,
+            loss_before=before,
+            loss_after=after,
+            seconds=trained.seconds,
+            blob_bytes=len(blob),
+            compute_utilisation=None if share is None else round(share, 4),
         )
+        self.emit(trained)
         self.execute(self.policy.trained(time.monotonic(), action, blob, before, after))
 
     async def _lease_data(self, lease: Lease) -> None:
@@ -212,16 +234,37 @@ class TrainerRunner(RoleRunner):
             begin(lease)
         indices = lease_indices(self.manifest.dataset, lease)
         metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
+        ahead = self.manifest.window.staleness > 0
         update = train_update(
             self.workload,
             self._encoder,
-            base.weights,
+            self._start_weights(action.window, base),
             indices,
             steps=self.manifest.inner_steps,
             seed=window_seed(self.peer_id, action.window),
             save_state=lambda state: self.services.store.save_trainer_state(state, metadata),
+            keep_delta=ahead,
         )
-        return update
+        if update.delta is not None:
+            self._own[action.window] = update.delta
+        return update._replace(delta=None)
+
+    def _start_weights(self, window: int, base: BaseState) -> Mapping[str, torch.Tensor]:
+        """Where window ``window`` starts: the base head's weights, minus our own
+        pseudo-gradients of the windows between that head and this one (trained, published,
+        not yet in a certified head), so a trainer ahead of the chain goes on from its own
+        progress instead of discarding it. The update is still ``start - end``: only this
+        window's work."""
+        for old in [w for w in self._own if w <= base.head.height]:
+            del self._own[old]
+        pending = [self._own[w] for w in range(base.head.height + 1, window) if w in self._own]
+        if not pending:
+            return base.weights
+        start = {name: tensor.clone() for name, tensor in base.weights.items()}
+        for delta in pending:
+            for name, tensor in start.items():
+                tensor.sub_(delta[name])
+        return start
 
     async def _publish(self, effect: Publish) -> None:
         """The blob is stored (an earlier effect); one that no peer could fetch from us is

@@ -29,6 +29,9 @@ class TrainedUpdate(NamedTuple):
     #: Seconds inside the inner steps, and when they ended (``time.time()``).
     inner_seconds: float
     inner_ended_at: float
+    #: The pseudo-gradient itself, when asked for (a trainer that trains ahead of the
+    #: certified head starts its next window from it).
+    delta: dict[str, torch.Tensor] | None = None
 
 
 def train_update(
@@ -40,9 +43,11 @@ def train_update(
     steps: int,
     seed: int,
     save_state: Callable[[dict[str, torch.Tensor]], None],
+    keep_delta: bool = False,
 ) -> TrainedUpdate:
     """``steps`` inner steps from ``base`` on ``indices``, the encoded pseudo-gradient, and
-    the optimizer state passed to ``save_state`` once the update is encoded.
+    the optimizer state passed to ``save_state`` once the update is encoded (and, with
+    ``keep_delta``, the pseudo-gradient).
 
     Each copy of the weights is let go as soon as it is no longer needed (θ_local once Δ is
     computed, Δ once it is encoded): saving the state copies the optimizer's moments (twice
@@ -55,6 +60,7 @@ def train_update(
     loss_before, loss_after = result.loss_before, result.loss_after
     del result
     blob = encoder.encode(delta)
+    kept = delta if keep_delta else None
     del delta
     save_state(workload.optimizer_state())
-    return TrainedUpdate(blob, loss_before, loss_after, inner_seconds, ended_at)
+    return TrainedUpdate(blob, loss_before, loss_after, inner_seconds, ended_at, kept)

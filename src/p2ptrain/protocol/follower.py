@@ -34,13 +34,16 @@ from p2ptrain.protocol.actions import (
     FetchState,
     Reported,
 )
-from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.protocol.chain import CertifiedHead, HeadChain
 from p2ptrain.protocol.reduction import BaseState, outer_step
 
 __all__ = ["Follower", "FollowerStatistics"]
 
 #: The largest weights or optimizer blob a follower decodes (4 GiB).
 MAX_STATE_BYTES = 4 << 30
+#: How far behind the chain's tip a follower still goes link by link, by aggregates;
+#: further, it fetches the tip's full state.
+MAX_AGGREGATE_LINKS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,23 +141,31 @@ class Follower:
         known = self._known_state(head_id)
         if known is not None:
             return self._adopt(now, known, verdict.reason)
-        if head.parent == self.base.head_id and head.aggregate_blob is not None:
-            return [FetchAggregate(sender, head, head_id)]
+        after_base = self._next_link()
+        if after_base is not None:
+            return [FetchAggregate(sender, after_base.head, after_base.head_id)]
         return [FetchState(sender, head, head_id)]
 
+    def _next_link(self) -> CertifiedHead | None:
+        """The certified head after our base, when following the chain by aggregates is
+        the way to the tip (it is at most :data:`MAX_AGGREGATE_LINKS` heads away)."""
+        ahead = self.chain.height - self.base.head.height
+        link = self.chain.at(self.base.head.height + 1)
+        if not 0 < ahead <= MAX_AGGREGATE_LINKS or link is None:
+            return None
+        return link if link.head.aggregate_blob is not None else None
+
     def receive_aggregate(self, now: float, head_id: str, aggregate_blob: bytes) -> list[Action]:
-        """The aggregate of the chain's tip (its hash already checked against the head):
+        """The aggregate of the head after our base (its hash already checked):
         step our base with it and adopt the result if it hashes to the head's weights and
         optimizer state; otherwise fetch the full state (a machine whose arithmetic
         differs from the quorum's must still follow the chain)."""
-        tip = self.chain.tip
-        if tip.head_id != head_id or self.base.head_id == head_id:
-            return []
-        head = tip.head
-        if head.parent != self.base.head_id or head.aggregate_blob is None:
-            return [FetchState(None, head, head_id)]
+        link, tip = self._next_link(), self.chain.tip
+        if link is None or link.head_id != head_id:
+            return []  # adopted meanwhile, or the chain moved on
+        head = link.head
         if sha256_hex(aggregate_blob) != head.aggregate_blob:  # the transport checks it
-            return [FetchState(None, head, head_id)]
+            return [FetchState(None, tip.head, tip.head_id)]
         try:
             pseudo_gradient = decode_aggregate(
                 aggregate_blob, self._schema, max_bytes=MAX_STATE_BYTES
@@ -162,7 +173,7 @@ class Follower:
         except ProtocolViolation as error:
             return [
                 Reported("state", f"certified aggregate does not decode: {error}"),
-                FetchState(None, head, head_id),
+                FetchState(None, tip.head, tip.head_id),
             ]
         step = outer_step(self.manifest, self.base, pseudo_gradient)
         optimizer = None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob)
@@ -172,11 +183,27 @@ class Follower:
                 f"height {head.height}: our outer step of the aggregate does not give the "
                 "certified weights; fetching the full state"
             )
-            return [FetchState(None, head, head_id)]
+            return [FetchState(None, tip.head, tip.head_id)]
         self.aggregates_applied += 1
         state = BaseState(head, head_id, step.weights, step.optimizer_state, aggregate_blob)
         self._served = (head_id, (step.weights_blob, step.optimizer_blob))
-        return self._adopt(now, state, f"applied the aggregate of height {head.height}")
+        actions = self._adopt(now, state, f"applied the aggregate of height {head.height}")
+        following = self._next_link()  # certified meanwhile: on to the next
+        if following is not None:
+            actions.append(FetchAggregate(None, following.head, following.head_id))
+        return actions
+
+    def window_bases(self) -> tuple[str, ...]:
+        """The heads an update of the open window may build on: the base and the
+        ``window.staleness`` certified heads before it (those the chain holds)."""
+        height = self.base.head.height
+        bases = [self.base.head_id]
+        for back in range(1, self.manifest.window.staleness + 1):
+            link = self.chain.at(height - back) if height - back >= 0 else None
+            if link is None:
+                break
+            bases.append(link.head_id)
+        return tuple(bases)
 
     def aggregate_of(self, head_id: str) -> bytes | None:
         """The encoded aggregate of ``head_id``, if this role holds it (to serve peers)."""

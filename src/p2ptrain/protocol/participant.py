@@ -83,6 +83,8 @@ class _Window:
     opened_at: float
     deadline_at: float
     order: tuple[bytes, ...]
+    #: The heads this window's updates may build on (the base first; see staleness).
+    bases: tuple[str, ...]
     updates: dict[str, Submission] = field(default_factory=dict)
     arrival: list[str] = field(default_factory=list)  # update ids, first arrival first
     before_deadline: int = 0
@@ -135,7 +137,13 @@ class Participant(Follower):
         self._by_head.clear()
         self.book.forget_through(base.head.height)
         deadline = now + self.manifest.window.deadline_s
-        return _Window(base=base, opened_at=now, deadline_at=deadline, order=order)
+        return _Window(
+            base=base,
+            opened_at=now,
+            deadline_at=deadline,
+            order=order,
+            bases=self.window_bases(),
+        )
 
     def restart(self, now: float) -> None:
         """After a crash: the chain, weights and votes persisted; the open window's updates
@@ -196,7 +204,7 @@ class Participant(Follower):
         update_id = signed.record_id
         if update_id in w.updates:
             return []
-        verdict = belongs_to_window(self.experiment_id, w.base, signed.record)
+        verdict = belongs_to_window(self.experiment_id, w.base, signed.record, w.bases)
         if not verdict:
             return []  # stale or replayed: belongs in no cohort, nothing to count
         if not w.arrival and now >= w.deadline_at and not w.proposals:
@@ -308,7 +316,8 @@ class Participant(Follower):
         key = frozenset(s.update_id for s in cohort)
         reduction = self._reductions.get(key)
         if reduction is None:
-            reduction = reduce_window(self.manifest, self._window.base, cohort, self.leases)
+            w = self._window
+            reduction = reduce_window(self.manifest, w.base, cohort, self.leases, w.bases)
             self._reductions[key] = reduction
             if reduction.head_id is not None:
                 self._by_head[reduction.head_id] = reduction

@@ -161,15 +161,18 @@ class RolePolicy:
             self._fetching_states.discard(request.head_id)
         elif isinstance(request, AggregateFetch):
             machine = self.machine
+            link = machine.chain.at(request.head.height)
             needed = (
-                machine.chain.tip.head_id == request.head_id
-                and machine.base.head_id != request.head_id
+                link is not None
+                and link.head_id == request.head_id
+                and machine.base.head.height < request.head.height
             )
             if needed and not proven_bad and request.attempt + 1 < AGGREGATE_ATTEMPTS:
                 return [self._again(request)]
             self._fetching_states.discard(request.head_id)
-            if needed:  # nobody serves the aggregate: the full state will do
-                return self.carry(now, [act.FetchState(None, request.head, request.head_id)])
+            if needed:  # nobody serves the aggregate: the tip's full state will do
+                tip = machine.chain.tip
+                return self.carry(now, [act.FetchState(None, tip.head, tip.head_id)])
         return []
 
     # -- actions into effects ---------------------------------------------------------
@@ -247,7 +250,7 @@ class TrainerPolicy(RolePolicy):
 
     def train_due(self, now: float, train: act.Train) -> list[Effect]:
         """The back-off passed: train again unless a newer head came first."""
-        return [train] if train.base_head == self.machine.base.head_id else []
+        return [train] if self.machine.training(train) else []
 
     def record(self, now: float, signed: Signed[Any], size: int) -> list[Effect]:
         if isinstance(signed.record, Proposal):
@@ -293,7 +296,7 @@ class ParticipantPolicy(RolePolicy):
 
     def _update(self, signed: Signed[Update]) -> list[Effect]:
         machine, update = self.machine, signed.record
-        if update.window != machine.window or update.base_head != machine.base.head_id:
+        if update.window != machine.window or update.base_head not in machine.window_bases():
             return []
         if self._fetching_window != machine.window:
             self._fetching_updates.clear()

@@ -16,7 +16,7 @@ the lease sample counts), and the outer optimizer steps the base weights.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,16 +121,22 @@ def outer_step(manifest: ExperimentManifest, base: BaseState, pseudo_gradient: T
     )
 
 
-def belongs_to_window(manifest_id: str, base: BaseState, update: Update) -> Verdict:
+def belongs_to_window(
+    manifest_id: str, base: BaseState, update: Update, bases: Collection[str] = ()
+) -> Verdict:
     """Whether ``update`` is for the window built on ``base`` (else it is stale, replayed
-    from another window or for another experiment, and belongs in no cohort)."""
+    from another window or for another experiment, and belongs in no cohort). ``bases``:
+    the heads an update of this window may build on (``base`` and, with a staleness
+    allowance, the ones before it on the chain); empty means ``base`` alone."""
     if update.experiment_id != manifest_id:
         return Verdict(False, "update is for another experiment")
     if update.window != base.window:
         return Verdict(False, f"update is for window {update.window}, this is {base.window}")
-    if update.base_head != base.head_id:
+    if update.base_head != base.head_id and update.base_head not in bases:
         return Verdict(
-            False, f"update builds on head {update.base_head[:12]}, not {base.head_id[:12]}"
+            False,
+            f"update builds on head {update.base_head[:12]}, not {base.head_id[:12]}"
+            + (f" or the {len(bases) - 1} before it" if len(bases) > 1 else ""),
         )
     return Verdict(True, "update is for this window")
 
@@ -165,18 +171,21 @@ def reduce_window(
     base: BaseState,
     cohort: Sequence[Submission],
     leases: LeaseBook,
+    bases: Collection[str] = (),
 ) -> Reduction:
     """Reduce ``cohort`` (in any order) on ``base``. Raises :class:`LocalError` when the
-    cohort holds an update that is not for this window or is larger than
-    ``window.max_updates`` -- a caller that builds cohorts must filter first (a proposal
-    that names such a cohort is invalid: ``Participant`` judges it so)."""
+    cohort holds an update that is not for this window (``bases``: as for
+    :func:`belongs_to_window`) or is larger than ``window.max_updates`` -- a caller that
+    builds cohorts must filter first (a proposal that names such a cohort is invalid:
+    ``Participant`` judges it so). The aggregate of updates built on older heads steps
+    ``base`` like the others (one-step-delayed outer steps)."""
     window = base.window
     if len(cohort) > manifest.window.max_updates:
         raise LocalError(f"a cohort of {len(cohort)} updates exceeds window.max_updates")
     # one submission per update id: the same update relayed twice is one update
     ordered = sorted({s.update_id: s for s in cohort}.values(), key=lambda s: s.update_id)
     for submission in ordered:
-        verdict = belongs_to_window(leases.experiment_id, base, submission.update)
+        verdict = belongs_to_window(leases.experiment_id, base, submission.update, bases)
         if not verdict:
             raise LocalError(f"update {submission.update_id[:12]}: {verdict.reason}")
     per_trainer = Counter(s.update.trainer_id for s in ordered)

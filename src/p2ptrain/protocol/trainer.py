@@ -5,6 +5,9 @@ window from it (the driver runs the inner steps and encodes the pseudo-gradient,
 :class:`Train` action), then publishes a signed update -- unless the head moved meanwhile, in
 which case the work is stale and dropped (it would be rejected everywhere).
 
+With a staleness allowance (``window.staleness``) it does not wait for the window it
+published to be certified: it trains the next one on the head it holds.
+
 An update can be lost on its way (the only peer it went to crashed, a partition): a trainer
 whose update no proposal has named by the end of the window's first proposer slot (its
 deadline plus ``proposal_s``, from when the trainer opened the window) sends it once more.
@@ -12,10 +15,15 @@ deadline plus ``proposal_s``, from when the trainer opened the window) sends it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, seal
+from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Proposal, Update
 from p2ptrain.protocol.actions import Action, SendUpdate, Train
 from p2ptrain.protocol.follower import Follower, FollowerStatistics
@@ -35,7 +43,7 @@ class TrainerStatistics(FollowerStatistics):
 
 @dataclass(slots=True)
 class _Sent:
-    """The update of the open window, until a proposal names it or it was sent again."""
+    """An update sent, until a proposal names it or it was sent again."""
 
     update: Signed[Update]
     blob: bytes
@@ -45,26 +53,83 @@ class _Sent:
 
 
 class TrainerMachine(Follower):
-    """Trains each window from the canonical head and publishes one update per window."""
+    """Trains each window from the canonical head and publishes one update per window.
+
+    With ``window.staleness`` s > 0 the trainer does not wait for a window to be certified:
+    once it published window ``w`` it trains window ``w + 1`` on the head it holds, as long
+    as that head is at most s heights behind the window's own base (height ``w``). Its
+    update names the head it built on; validators accept it as long as the head is within
+    the allowance (one-step-delayed outer steps when s = 1)."""
 
     windows_trained = 0
     updates_published = 0
     stale_dropped = 0
     updates_resent = 0
-    _training: tuple[int, str] | None = None
-    _sent: _Sent | None = None
+    #: (window, base head id, base height) of the window being trained.
+    _training: tuple[int, str, int] | None = None
+    _published_window = 0
     _opened_at = 0.0
+
+    def __init__(
+        self,
+        manifest: ExperimentManifest,
+        identity: Identity,
+        genesis_weights: Mapping[str, torch.Tensor],
+    ) -> None:
+        super().__init__(manifest, identity, genesis_weights)
+        #: Updates sent, by window, until their window is certified.
+        self._sent: dict[int, _Sent] = {}
 
     def start(self, now: float) -> list[Action]:
         """Begin: train the window after the current head."""
-        return self._on_base(now)
+        return self._next(now)
 
     def _on_base(self, now: float) -> list[Action]:
-        self._opened_at, self._sent = now, None
-        self._training = (self.base.window, self.base.head_id)
+        for window in [w for w in self._sent if w < self.base.window]:
+            del self._sent[window]  # certified (or given up): nothing to send again
+        training = self._training
+        if training is not None and self._valid(*training):
+            return []  # what is being trained still counts: go on with it
+        self._training = None
+        return self._next(now)
+
+    def _valid(self, window: int, base_head: str, base_height: int) -> bool:
+        """Whether an update of ``window`` built on ``base_head`` is, or will be when its
+        window opens, accepted: not for a certified window, and its base on our chain and
+        within the staleness allowance of the window's own base."""
+        link = self.chain.at(base_height)
+        return (
+            window >= self.base.window
+            and window - 1 - base_height <= self.manifest.window.staleness
+            and link is not None
+            and link.head_id == base_head
+        )
+
+    def _next(self, now: float) -> list[Action]:
+        """Train the next window if the head we hold is recent enough for it."""
+        if self._training is not None:
+            return []
+        window = max(self.base.window, self._published_window + 1)
+        lag = window - 1 - self.base.head.height
+        if lag > self.manifest.window.staleness:
+            self.last_reason = (
+                f"published window {self._published_window}; waiting for head "
+                f"{window - 1 - self.manifest.window.staleness} to train window {window}"
+            )
+            return []
+        self._opened_at = now
+        self._training = (window, self.base.head_id, self.base.head.height)
         self.windows_trained += 1
-        self.last_reason = f"training window {self.base.window} on {self.base.head_id[:12]}"
-        return [Train(self.base.window, self.base.head_id)]
+        ahead = f" ({lag} head{'s' if lag > 1 else ''} behind)" if lag else ""
+        self.last_reason = f"training window {window} on {self.base.head_id[:12]}{ahead}"
+        return [Train(window, self.base.head_id)]
+
+    def training(self, train: Train) -> bool:
+        """Whether ``train`` is the window this machine wants trained now."""
+        return self._training is not None and self._training[:2] == (
+            train.window,
+            train.base_head,
+        )
 
     def lease(self, window: int) -> Lease:
         return lease_for(
@@ -83,9 +148,13 @@ class TrainerMachine(Follower):
     ) -> list[Action]:
         """The driver trained ``window`` from ``base_head`` and encoded ``blob`` (at
         ``now``: when to send it again is counted from it and from the window's opening)."""
-        if self._training != (window, base_head) or self.base.head_id != base_head:
+        training = self._training
+        if training is None or training[:2] != (window, base_head) or not self._valid(*training):
             self.stale_dropped += 1
             self.last_reason = f"window {window}: dropped, the head moved while it trained"
+            if training is not None and training[:2] == (window, base_head):
+                self._training = None
+                return self._next(self._opened_at if now is None else now)
             return []
         self._training = None
         lease = self.lease(window)
@@ -103,18 +172,20 @@ class TrainerMachine(Follower):
             loss_after=loss_after,
         )
         self.updates_published += 1
+        self._published_window = max(self._published_window, window)
         self.last_reason = f"published the update of window {window}"
         signed = seal(self.identity, update)
         timing = self.manifest.window
         first_slot_end = self._opened_at + timing.deadline_s + timing.proposal_s
         sent_at = self._opened_at if now is None else now
-        self._sent = _Sent(signed, blob, max(first_slot_end, sent_at + timing.proposal_s))
-        return [SendUpdate(signed, blob)]
+        self._sent[window] = _Sent(signed, blob, max(first_slot_end, sent_at + timing.proposal_s))
+        return [SendUpdate(signed, blob), *self._next(sent_at)]
 
     def saw_proposal(self, signed: Signed[Proposal]) -> None:
         """A proposal went by: does it name our update?"""
-        sent, proposal = self._sent, signed.record
-        if sent is None or proposal.window != sent.update.record.window:
+        proposal = signed.record
+        sent = self._sent.get(proposal.window)
+        if sent is None:
             return
         update_id = sent.update.record_id
         if update_id in proposal.accepted or any(
@@ -122,21 +193,25 @@ class TrainerMachine(Follower):
         ):
             sent.named = True
 
+    def _waiting(self) -> list[_Sent]:
+        return [s for s in self._sent.values() if not s.named and not s.again]
+
     def next_wakeup(self, now: float) -> float | None:
-        sent = self._sent
-        return None if sent is None or sent.named or sent.again else sent.again_at
+        return min((s.again_at for s in self._waiting()), default=None)
 
     def tick(self, now: float) -> list[Action]:
         """Send the open window's update again if no proposal named it in time (once)."""
-        sent = self._sent
-        if sent is None or sent.named or sent.again or now < sent.again_at:
-            return []
-        if sent.update.record.base_head != self.base.head_id:
-            return []
-        sent.again = True
-        self.updates_resent += 1
-        self.last_reason = f"window {self.base.window}: no proposal named our update; sent again"
-        return [SendUpdate(sent.update, sent.blob, again=True)]
+        actions: list[Action] = []
+        for sent in self._waiting():
+            if now < sent.again_at or sent.update.record.window != self.base.window:
+                continue
+            sent.again = True
+            self.updates_resent += 1
+            self.last_reason = (
+                f"window {self.base.window}: no proposal named our update; sent again"
+            )
+            actions.append(SendUpdate(sent.update, sent.blob, again=True))
+        return actions
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(

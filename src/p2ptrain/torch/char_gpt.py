@@ -70,6 +70,10 @@ DEMO_DEFAULTS: Final[dict[str, int | float]] = {
     "trainers": 4,
     #: samples per lease: inner_steps x batch_size, so a window sees each leased sample once
     "lease_size": 800,
+    #: window.staleness: 1 lets trainers train the next window while one is certified
+    #: (compute utilisation 0.985 against 0.56), but its one-step-delayed outer steps ended
+    #: 24 windows at validation loss 1.97 against 1.93 on loopback, so the demo waits
+    "staleness": 0,
 }
 
 
