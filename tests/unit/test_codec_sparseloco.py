@@ -1,11 +1,12 @@
 """The ``sparseloco`` codec: hand-computed parts, blob sizes, error feedback, a decoder that
 agrees with a plain-Python reference of docs/protocol.md's rules (and raises nothing but
-ProtocolViolation)."""
+ProtocolViolation), and the encoder's saved residuals and requeued updates."""
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,13 +17,14 @@ from hypothesis import strategies as st
 from p2ptrain.aggregate.codec_sparseloco import CHUNK_SIZE
 from p2ptrain.aggregate.codecs import (
     MAX_ABS_VALUE,
+    UpdateEncoder,
     decode_update,
     make_encoder,
     max_update_bytes,
 )
 from p2ptrain.core.manifests import CodecSpec
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
-from p2ptrain.errors import ProtocolViolation
+from p2ptrain.errors import LocalError, ProtocolViolation
 
 Tensors = dict[str, torch.Tensor]
 Parts = dict[str, list[int] | list[float]]
@@ -195,6 +197,158 @@ def test_a_zero_update_sends_what_was_held_back() -> None:
     second = decode(encoder.encode({"v": torch.zeros(4)}), spec, delta)["v"]
     assert second.tolist() == [0.0, 0.0, -2.0, 1.0]
     assert not bool(encoder.residuals()["v"].any())
+
+
+# ------------------------------------------------------------ restarts and requeued updates
+
+
+def save_and_load(encoder: UpdateEncoder) -> Tensors:
+    """The residuals as a file would keep them: through a safetensors container."""
+    return decode_state_dict(encode_state_dict(encoder.residuals()))
+
+
+@pytest.mark.parametrize("name", ["sparseloco", "topk"])
+def test_a_restarted_encoder_continues_bit_for_bit(name: str) -> None:
+    spec = CodecSpec(name=name, config={"fraction": 0.05})
+    schema = schema_of(seeded_delta(SEED))
+    running = make_encoder(spec, schema, seed=1)
+    for round_ in range(3):
+        running.encode(seeded_delta(SEED + round_))
+    restarted = make_encoder(spec, schema, seed=1)
+    restarted.load_residuals(save_and_load(running))
+    for round_ in range(3, 7):
+        delta = seeded_delta(SEED + round_)
+        assert running.encode(delta) == restarted.encode(delta), (SEED, round_)
+    fresh = make_encoder(spec, schema, seed=1)
+    assert fresh.encode(seeded_delta(SEED)) != running.encode(seeded_delta(SEED))
+
+
+def test_loading_copies_and_an_empty_mapping_means_none() -> None:
+    spec = spec_of(fraction=0.05)
+    delta = seeded_delta(SEED)
+    encoder = make_encoder(spec, schema_of(delta))
+    encoder.encode(delta)
+    saved = encoder.residuals()
+    other = make_encoder(spec, schema_of(delta))
+    other.load_residuals(saved)
+    saved["w"].add_(1.0)  # the caller's tensors are not kept
+    assert torch.equal(other.residuals()["w"], encoder.residuals()["w"])
+    other.load_residuals({})
+    assert other.residuals() == {}
+    assert other.encode(delta) == make_encoder(spec, schema_of(delta)).encode(delta)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.pop("b"), r"missing \['b'\]"),
+        (lambda r: r.__setitem__("other.weight", torch.zeros(2)), "unexpected.*other.weight"),
+        (lambda r: r.__setitem__("w", torch.zeros(48, 64)), "'w' has shape"),
+        (lambda r: r.__setitem__("b", torch.zeros(48).double()), "'b' is not float32"),
+        (lambda r: r.__setitem__("t", torch.tensor(math.nan)), "'t' holds NaN"),
+        (lambda r: r["w"].view(-1).__setitem__(7, -math.inf), "'w' holds NaN"),
+        (lambda r: r["w"].view(-1).__setitem__(7, 1e31), "'w' holds NaN"),
+        (lambda r: r.__setitem__("b", [0.0] * 48), "'b' is not float32"),
+    ],
+)
+def test_bad_saved_residuals_are_local_errors_that_change_nothing(
+    change: Callable[[Tensors], object], message: str
+) -> None:
+    delta = seeded_delta(SEED)
+    encoder = make_encoder(spec_of(fraction=0.05), schema_of(delta))
+    encoder.encode(delta)
+    before = encoder.residuals()
+    saved = encoder.residuals()
+    change(saved)
+    with pytest.raises(LocalError, match=message) as caught:
+        encoder.load_residuals(saved)
+    assert "delete the saved residuals" in str(caught.value)
+    after = encoder.residuals()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_a_codec_without_feedback_takes_no_residuals() -> None:
+    delta = seeded_delta(SEED)
+    encoder = make_encoder(CodecSpec(name="int8"), schema_of(delta))
+    encoder.load_residuals({})
+    with pytest.raises(LocalError, match="codec int8 keeps no error-feedback residuals"):
+        encoder.load_residuals({"w": torch.zeros(64, 48)})
+
+
+@pytest.mark.parametrize("name", ["sparseloco", "topk", "lowrank"])
+def test_requeueing_adds_back_exactly_what_was_sent(name: str) -> None:
+    spec = CodecSpec(name=name)
+    schema = schema_of(seeded_delta(SEED))
+    encoder = make_encoder(spec, schema, seed=SEED)
+    encoder.encode(seeded_delta(SEED))
+    blob = encoder.encode(seeded_delta(SEED + 1))
+    before = encoder.residuals()
+    sent = decode_update(blob, spec, schema, max_bytes=len(blob))
+    encoder.requeue_unaccepted(blob)
+    after = encoder.residuals()
+    assert all(torch.equal(after[key], before[key] + sent[key]) for key in sent), (SEED, name)
+    if name == "topk":  # topk's residual is exact: requeueing restores the accumulated input
+        fresh = make_encoder(spec, schema)
+        fresh.encode(seeded_delta(SEED))
+        acc = {key: seeded_delta(SEED + 1)[key] + value for key, value in fresh.residuals().items()}
+        assert all(torch.equal(after[key], acc[key]) for key in acc), SEED
+
+
+def test_a_requeued_update_is_sent_again() -> None:
+    """A window lost: the trainer's two updates minus the accepted one, plus the residual,
+    are all of its deltas; zero updates then drain the requeued one."""
+    spec = spec_of(fraction=0.1)
+    first, second = seeded_delta(SEED), seeded_delta(SEED + 1)
+    encoder = make_encoder(spec, schema_of(first))
+    lost = encoder.encode(first)
+    accepted = decode(encoder.encode(second), spec, first)
+    encoder.requeue_unaccepted(lost)
+    zeros = {name: torch.zeros_like(value) for name, value in first.items()}
+    drained = {name: value.double() for name, value in accepted.items()}
+    for _ in range(60):
+        for name, value in decode(encoder.encode(zeros), spec, first).items():
+            drained[name] += value.double()
+    for name in first:
+        given_ = first[name].double() + second[name].double()
+        left = encoder.residuals()[name].double()
+        assert torch.allclose(drained[name] + left, given_, atol=1e-5), (SEED, name)
+        error = float((drained[name] - given_).norm())
+        assert error <= 0.05 * float(given_.norm()) + 1e-6, (SEED, name, error)
+
+
+def test_requeueing_without_feedback_does_nothing() -> None:
+    delta = seeded_delta(SEED)
+    encoder = make_encoder(CodecSpec(name="int8"), schema_of(delta))
+    encoder.requeue_unaccepted(encoder.encode(delta))
+    encoder.requeue_unaccepted(b"not even a blob")
+    assert encoder.residuals() == {}
+
+
+def foreign_blobs() -> dict[str, bytes]:
+    delta = seeded_delta(SEED)
+    schema = schema_of(delta)
+    mine = make_encoder(spec_of(fraction=0.05), schema).encode(delta)
+    smaller = {name: value for name, value in delta.items() if name != "b"}
+    return {
+        "other bits": make_encoder(spec_of(fraction=0.05, bits=4), schema).encode(delta),
+        "other codec": make_encoder(CodecSpec(name="topk"), schema).encode(delta),
+        "other model": make_encoder(spec_of(fraction=0.05), schema_of(smaller)).encode(smaller),
+        "truncated": mine[:-10],
+        "garbage": b"\x00" * 64,
+    }
+
+
+@pytest.mark.parametrize("what", sorted(foreign_blobs()))
+def test_requeueing_a_foreign_blob_is_a_local_error_that_changes_nothing(what: str) -> None:
+    delta = seeded_delta(SEED)
+    encoder = make_encoder(spec_of(fraction=0.05), schema_of(delta))
+    encoder.encode(delta)
+    before = encoder.residuals()
+    with pytest.raises(LocalError, match="not one of this encoder's"):
+        encoder.requeue_unaccepted(foreign_blobs()[what])
+    after = encoder.residuals()
+    assert all(torch.equal(after[name], before[name]) for name in before)
 
 
 # ------------------------------------------------------------ decoding against a reference

@@ -278,8 +278,14 @@ def make_encoder(spec: CodecSpec, schema: Iterable[TensorSpec], *, seed: int = 0
     :class:`LocalError` for bad settings or schemas.
     """
     codec, model = codec_for(spec), model_schema(schema)
+    limit = max_update_bytes(spec, model)
     return UpdateEncoder(
-        codec, model, header_name=HEADER_TENSOR, header=header_bytes(codec, model), seed=seed
+        codec,
+        model,
+        header_name=HEADER_TENSOR,
+        header=header_bytes(codec, model),
+        seed=seed,
+        decode=lambda blob: decode_update(blob, spec, model, max_bytes=limit),
     )
 
 
