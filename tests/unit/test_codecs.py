@@ -282,7 +282,7 @@ def test_lowrank_survives_zero_updates() -> None:
     assert float(decoded["fc1.weight"].norm()) > 0.1 * float(delta["fc1.weight"].norm())
 
 
-@pytest.mark.parametrize("name", ["topk", "lowrank"])
+@pytest.mark.parametrize("name", ["topk", "sparseloco", "lowrank"])
 def test_encoding_is_deterministic_for_a_seed(name: str) -> None:
     spec = spec_of(name)
     schema = schema_of(model_delta())
@@ -360,8 +360,27 @@ def fractions(count: int, modulus: int, divisor: float) -> torch.Tensor:
             "12de9ce1dc4a734071e344d44a029c21d19ce0c84adff43963525fbb7f923a18",
             "3a661b16237ddbd75294493c5b01f26657da39dec2859688ca5e8cf172cc2dd9",
         ),
+        (
+            spec_of("sparseloco", fraction=0.05),  # k: b 2, c 6, w 48
+            {
+                "b/counts": torch.tensor([2], dtype=torch.int32),
+                "b/offsets": (torch.tensor([3, 17]) - 32768).to(torch.int16),
+                "b/codes": torch.tensor([0b1101], dtype=torch.uint8),
+                "b/scale": torch.tensor([0.375]),
+                "c/counts": torch.tensor([6], dtype=torch.int32),
+                "c/offsets": (torch.arange(6) * 19 + 5 - 32768).to(torch.int16),
+                "c/codes": torch.tensor([0xB4, 0x0E], dtype=torch.uint8),
+                "c/scale": fractions(1, 9, 7.0).abs(),
+                "w/counts": torch.tensor([48], dtype=torch.int32),
+                "w/offsets": (torch.arange(48) * 20 + 7 - 32768).to(torch.int16),
+                "w/codes": (torch.arange(12) * 37 % 256).to(torch.uint8),
+                "w/scale": torch.tensor([1.0]) / 3,
+            },
+            "800396fbb51c76f5e7d66a6e113ea01b1572f0f730e393557e7636f302949e7f",
+            "c391fa1ee9cf328ed9c8b3320a1a9e24261cb8097ab2e502d85928b91f2f58f2",
+        ),
     ],
-    ids=["int8", "lowrank"],
+    ids=["int8", "lowrank", "sparseloco"],
 )
 def test_golden_decoding(spec: CodecSpec, parts: Tensors, blob_sha: str, decoded_sha: str) -> None:
     """Pins the wire format and the decoding arithmetic: any change breaks old blobs."""
@@ -376,7 +395,10 @@ def test_golden_decoding(spec: CodecSpec, parts: Tensors, blob_sha: str, decoded
 HOSTILE = settings(max_examples=1000)
 
 SMALL = {"a.weight": (12, 16), "a.bias": (12,), "k": (8, 3, 4), "s": ()}
-SMALL_SETTINGS: dict[str, dict[str, int | float]] = {"topk": {"fraction": 0.1}}
+SMALL_SETTINGS: dict[str, dict[str, int | float]] = {
+    "topk": {"fraction": 0.1},
+    "sparseloco": {"fraction": 0.1},
+}
 
 
 def small_delta() -> Tensors:
@@ -521,9 +543,16 @@ def swap_first_two(flat: torch.Tensor) -> None:
     flat[[0, 1]] = flat[[1, 0]]
 
 
+def repeat_first(flat: torch.Tensor) -> None:
+    flat[1] = flat[0]
+
+
 I32 = torch.int32
-# (codec, what, change, the message it must raise): k holds 96 values (topk keeps 10 of
-# them), a.weight 192 (20 kept), a.bias 12 (2 kept); lowrank factorises a.weight and k.
+# (codec, what, change, the message it must raise): k holds 96 values (topk and sparseloco
+# keep 10 of them), a.weight 192 (20 kept), a.bias 12 (2 kept), s 1 (1 kept); lowrank
+# factorises a.weight and k. sparseloco's 2-bit codes leave 4 spare bits in the last byte of
+# k and a.bias and 6 in s's only byte.
+U8, I16 = torch.uint8, torch.int16
 MALICIOUS: list[tuple[str, str, Change, str]] = [
     ("topk", "index out of range", edit("a.weight/indices", set_at(-1, 192)), "outside"),
     ("topk", "negative index", edit("a.weight/indices", set_at(0, -1)), "outside"),
@@ -534,6 +563,33 @@ MALICIOUS: list[tuple[str, str, Change, str]] = [
     ("topk", "NaN value", edit("k/values", set_at(0, math.nan)), "NaN or infinity"),
     ("topk", "infinite value", edit("s/values", set_at(0, -math.inf)), "NaN or infinity"),
     ("topk", "more values than k", replace({"k/values": torch.ones(11)}), "expected"),
+    ("sparseloco", "negative count", edit("k/counts", set_at(0, -1)), "between 0 and"),
+    ("sparseloco", "count over the chunk", edit("a.bias/counts", set_at(0, 13)), "between 0"),
+    ("sparseloco", "huge count", edit("k/counts", set_at(0, 2**31 - 1)), "between 0 and"),
+    ("sparseloco", "counts short of k", edit("k/counts", set_at(0, 9)), "sum to 9, not k = 10"),
+    ("sparseloco", "offset past the end", edit("a.weight/offsets", set_at(-1, 192 - 2**15)), "out"),
+    ("sparseloco", "largest offset", edit("k/offsets", set_at(-1, 2**15 - 1)), "outside their"),
+    ("sparseloco", "unsorted offsets", edit("k/offsets", swap_first_two), "strictly increasing"),
+    ("sparseloco", "repeated offset", edit("k/offsets", repeat_first), "strictly increasing"),
+    ("sparseloco", "padding bits", edit("s/codes", set_at(0, 0xFF)), "padding bits"),
+    ("sparseloco", "last byte's padding", edit("k/codes", set_at(-1, 0xF0)), "padding bits"),
+    ("sparseloco", "NaN scale", edit("a.weight/scale", set_at(0, math.nan)), "finite and >= 0"),
+    ("sparseloco", "infinite scale", edit("k/scale", set_at(0, math.inf)), "finite and >= 0"),
+    ("sparseloco", "negative scale", edit("k/scale", set_at(0, -1.0)), "finite and >= 0"),
+    ("sparseloco", "scale -0.0", edit("a.bias/scale", set_at(0, -0.0)), "finite and >= 0"),
+    (
+        "sparseloco",
+        "scale that overflows",
+        replace({"s/codes": torch.tensor([1], dtype=U8), "s/scale": torch.tensor([3e38])}),
+        "NaN or infinity",
+    ),
+    ("sparseloco", "int32 offsets", replace({"k/offsets": torch.zeros(10, dtype=I32)}), "exp"),
+    ("sparseloco", "a code byte more", replace({"k/codes": torch.zeros(4, dtype=U8)}), "expected"),
+    ("sparseloco", "two chunks", replace({"a.weight/counts": torch.zeros(2, dtype=I32)}), "exp"),
+    ("sparseloco", "0-d scale", replace({"s/scale": torch.zeros(())}), "expected"),
+    ("sparseloco", "int16 codes", replace({"s/codes": torch.zeros(1, dtype=I16)}), "expected"),
+    ("sparseloco", "topk parts", replace({"k/indices": torch.arange(10, dtype=I32)}), "unexp"),
+    ("sparseloco", "no scale", drop("a.bias/scale"), "missing"),
     ("int8", "NaN scale", edit("a.weight/scale", set_at(0, math.nan)), "finite and >= 0"),
     ("int8", "infinite scale", edit("k/scale", set_at(0, math.inf)), "finite and >= 0"),
     ("int8", "negative scale", edit("k/scale", set_at(0, -1.0)), "finite and >= 0"),
@@ -582,6 +638,9 @@ MALICIOUS: list[tuple[str, str, Change, str]] = [
     ("int8", "block size as float", header_edit("256", "256.0"), "canonical"),
     ("topk", "other fraction", header_edit("0.1", "0.2"), "encoded with codec"),
     ("lowrank", "higher rank", header_edit('"rank":4', '"rank":9'), "encoded with codec"),
+    ("sparseloco", "4-bit header", header_edit('"bits":2', '"bits":4'), "encoded with codec"),
+    ("sparseloco", "other fraction", header_edit('"fraction":0.1', '"fraction":0.2'), "encoded"),
+    ("sparseloco", "topk header", header_edit('"sparseloco"', '"topk"'), "encoded with codec"),
     ("fp32", "other format", header_edit("update/1", "update/2"), "format"),
     ("fp32", "unknown field", header_edit('{"format"', '{"x":1,"format"'), "malformed"),
     ("fp32", "spaces in header", header_edit(",", ", "), "canonical"),
@@ -649,7 +708,8 @@ def test_honest_updates_of_extreme_values_decode(
     if name == "fp16":
         x = x.clamp(-65504, 65504)
     delta = {"m": x.reshape(6, 10), "v": x[:7], "z": x[0]}
-    spec, schema = spec_of(name, **({"fraction": 0.2} if name == "topk" else {})), schema_of(delta)
+    sparse = name in ("topk", "sparseloco")
+    spec, schema = spec_of(name, **({"fraction": 0.2} if sparse else {})), schema_of(delta)
     encoder = make_encoder(spec, schema)
     for _ in range(rounds):
         decoded = decode_update(encoder.encode(delta), spec, schema, max_bytes=1 << 20)
@@ -668,6 +728,10 @@ def test_honest_updates_of_extreme_values_decode(
         ("int8", {"block_size": 64}, 3.7, 4 / (1 + 4 / 64)),
         ("topk", {}, 45.0, 50.0),  # 1% kept, 8 bytes each (int32 index, float32 value)
         ("topk", {"fraction": 0.1}, 4.9, 5.0),
+        # k = 5243 (2%) 16-bit offsets and 2-bit codes, a count and a scale: 11817 bytes
+        ("sparseloco", {}, 84.0, 2**20 / 11817),
+        ("sparseloco", {"fraction": 0.01}, 160.0, 2**20 / 5920),  # k = 2622
+        ("sparseloco", {"bits": 4}, 76.0, 2**20 / 13128),  # 4-bit codes
         ("lowrank", {}, 60.0, 64.0),  # (512 + 512) * 4 values instead of 512 * 512
     ],
 )
@@ -698,6 +762,12 @@ def test_compression_ratio(
         ("topk", {"fraction": 1.5}, "codec.config.fraction"),
         ("lowrank", {"rank": 0}, "codec.config.rank"),
         ("lowrank", {"rank": 4.0}, "codec.config.rank"),
+        ("sparseloco", {"fraction": 0.0}, "codec.config.fraction"),
+        ("sparseloco", {"fraction": 2}, "codec.config.fraction"),
+        ("sparseloco", {"bits": 3}, "codec.config.bits"),
+        ("sparseloco", {"bits": 8}, "codec.config.bits"),
+        ("sparseloco", {"bits": 2.0}, "codec.config.bits"),
+        ("sparseloco", {"rank": 4}, "codec.config.rank"),
     ],
 )
 def test_bad_settings_name_the_key(

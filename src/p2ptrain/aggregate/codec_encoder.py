@@ -4,23 +4,44 @@ pseudo-gradients into update blobs and keeps error-feedback residuals and warm s
 Build one with :func:`p2ptrain.aggregate.codecs.make_encoder`; the wire format is described
 in :mod:`p2ptrain.aggregate.codecs`.
 
-Error feedback (``topk``, ``lowrank``): the encoder compresses ``acc = delta + residual`` and
-keeps ``residual = acc - decoded``, where ``decoded`` is exactly what every decoder will get
-from the blob. What is not sent in one round is sent in a later one; for ``topk`` the
-identity ``decoded + residual == acc`` holds bit for bit.
+Error feedback (``topk``, ``sparseloco``, ``lowrank``): the encoder compresses
+``acc = delta + residual`` and keeps ``residual = acc - decoded``, where ``decoded`` is exactly
+what every decoder will get from the blob. What is not sent in one round is sent in a later
+one; for ``topk`` the identity ``decoded + residual == acc`` holds bit for bit.
+
+The rules the trainer follows, so that nothing it computed is lost
+------------------------------------------------------------------
+The residual is meant to hold every delta computed so far minus what the certified chain
+accepted of them. Two events break that, and each has its call:
+
+* **An update the head did not accept.** When the trainer learns that the certified head of a
+  window does not include its update (it missed the window, or the update was rejected or
+  screened out), it calls :meth:`UpdateEncoder.requeue_unaccepted` with that update's blob,
+  exactly once: the blob is decoded with this encoder's codec and schema and added back into
+  the residuals, so what it carried is sent again later rather than lost. Never for an update
+  the head accepted (it would be applied twice), and only for a blob whose encoding the
+  residuals remember: one encoded since the last :meth:`UpdateEncoder.reset`, by this
+  encoder or by the one whose saved residuals it loaded. Codecs without error feedback
+  ignore it: their unaccepted updates are lost, as they always were.
+* **A restart.** The trainer saves :meth:`UpdateEncoder.residuals` with its other state (and
+  the blobs of its updates whose fate it has not learned yet) and gives them to
+  :meth:`UpdateEncoder.load_residuals` of the new encoder (same codec, schema and seed), which
+  then continues bit for bit where the old one stopped (``topk`` and ``sparseloco``;
+  ``lowrank`` restarts its warm start from the seed). When training restarts from a
+  different head, :meth:`UpdateEncoder.reset` instead.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import torch
 
 from p2ptrain.core.tensors import Schema, encode_state_dict
-from p2ptrain.errors import LocalError
+from p2ptrain.errors import LocalError, ProtocolViolation
 
 if TYPE_CHECKING:
     from p2ptrain.aggregate.codecs import ParameterCodec
@@ -55,7 +76,9 @@ class UpdateEncoder:
 
     ``header`` is the canonical codec header tensor of ``codec`` over ``schema`` (sorted by
     name) and ``header_name`` its name in the container; ``seed`` fixes the codec's
-    randomness. Use :func:`p2ptrain.aggregate.codecs.make_encoder` rather than this.
+    randomness; ``decode`` is the peers' decoder of this codec and schema (raising
+    :class:`ProtocolViolation`). Use :func:`p2ptrain.aggregate.codecs.make_encoder` rather
+    than this.
     """
 
     def __init__(
@@ -66,8 +89,10 @@ class UpdateEncoder:
         header_name: str,
         header: bytes,
         seed: int,
+        decode: Callable[[bytes], dict[str, torch.Tensor]],
     ) -> None:
         self._codec = codec
+        self._decode = decode
         self._schema = schema
         self._header_name = header_name
         self._header = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -146,6 +171,72 @@ class UpdateEncoder:
     def reset(self) -> None:
         """Forget the residuals, e.g. when training restarts from a different head."""
         self._residuals.clear()
+
+    def load_residuals(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore residuals saved from :meth:`residuals` (of an encoder with the same codec and
+        schema), replacing the current ones; an empty mapping means none, as before the first
+        update. The tensors are copied.
+
+        Raises :class:`LocalError`, changing nothing, unless ``tensors`` is empty or holds
+        exactly one finite float32 tensor of the schema's shape per schema parameter (within
+        ±:data:`MAX_ABS_VALUE`), or when the codec keeps no residuals.
+        """
+        if not tensors:
+            self._residuals.clear()
+            return
+        where = "delete the saved residuals to restart error feedback from zero"
+        if not self._codec.error_feedback:
+            raise LocalError(
+                f"codec {self._codec.name} keeps no error-feedback residuals, yet "
+                f"{len(tensors)} were given: they were saved under another codec; {where}"
+            )
+        expected = {spec.name for spec in self._schema}
+        missing, extra = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+        if missing or extra:
+            raise LocalError(
+                f"saved residuals do not match the model schema: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}; they belong to another model or revision: {where}"
+            )
+        loaded = {}
+        for spec in self._schema:
+            value = tensors[spec.name]
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+                raise LocalError(f"saved residual {spec.name!r} is not float32; {where}")
+            if tuple(value.shape) != spec.shape:
+                raise LocalError(
+                    f"saved residual {spec.name!r} has shape {tuple(value.shape)}, the schema "
+                    f"says {spec.shape}; {where}"
+                )
+            value = value.detach().to("cpu", copy=True)
+            if not bool(value.abs().le(MAX_ABS_VALUE).all()):
+                raise LocalError(
+                    f"saved residual {spec.name!r} holds NaN, infinity or values beyond "
+                    f"±{MAX_ABS_VALUE:g}: the file is damaged; {where}"
+                )
+            loaded[spec.name] = value
+        self._residuals = loaded
+
+    def requeue_unaccepted(self, blob: bytes) -> None:
+        """Add what ``blob`` carried back into the residuals: ``blob`` is an update this
+        encoder produced that the certified head did not accept (see the module docstring
+        for when to call this), decoded as every peer decodes it. Does nothing for codecs
+        without error feedback.
+
+        Raises :class:`LocalError`, changing nothing, when ``blob`` is not a valid update of
+        this encoder's codec and schema.
+        """
+        if not self._codec.error_feedback:
+            return
+        try:
+            decoded = self._decode(blob)
+        except ProtocolViolation as exc:
+            raise LocalError(
+                f"cannot requeue an update that is not one of this encoder's ({exc}); pass "
+                "the bytes encode() returned"
+            ) from None
+        for name, sent in decoded.items():
+            held = self._residuals.get(name)
+            self._residuals[name] = sent if held is None else held + sent
 
     def statistics(self) -> EncoderStatistics:
         """Counters so far, and the current residual norm."""

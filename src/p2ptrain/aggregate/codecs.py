@@ -35,26 +35,34 @@ topk        ``indices``           ``(k,)``, ``k = max(1, ceil(fraction*numel))``
 topk        ``values``            ``(k,)``                                       float32
 lowrank     ``p``, ``q``          ``(rows, r)``, ``(cols, r)`` [#]_              float32
 lowrank     ``values`` (raw)      the parameter's                                float32
+sparseloco  ``counts``            ``(ceil(numel / 65536),)``                     int32
+sparseloco  ``offsets``           ``(k,)``, ``k`` as for ``topk``                int16 [#]_
+sparseloco  ``codes``             ``(ceil(k * bits / 8),)``                      uint8
+sparseloco  ``scale``             ``(1,)``                                       float32
 =========== ===================== ============================================== ===========
 
 .. [#] int64 for tensors of ``2**31`` elements or more; ``k = 0`` for empty tensors.
 .. [#] ``rows = shape[0]``, ``cols = prod(shape[1:])``, ``r = min(rank, rows, cols)``, for
    tensors with ``ndim >= 2`` whose factors are smaller than the matrix; others go raw.
+.. [#] positions within 65536-element chunks, minus 32768; ``counts`` says how many fall in
+   each chunk; ``codes`` packs a ``bits``-bit code (sign, level) per kept value.
 
 The codec and the schema fix every part's name, shape and dtype, so an honest blob's layout
 is fully determined and a decoder checks it exactly. The part values are specified in
-:mod:`~p2ptrain.aggregate.codec_dense`, :mod:`~p2ptrain.aggregate.codec_sparse` and
-:mod:`~p2ptrain.aggregate.codec_lowrank`.
+:mod:`~p2ptrain.aggregate.codec_dense`, :mod:`~p2ptrain.aggregate.codec_sparse`,
+:mod:`~p2ptrain.aggregate.codec_lowrank` and :mod:`~p2ptrain.aggregate.codec_sparseloco`.
 
 Decoding
 --------
 :func:`decode_update` accepts a blob only if the header is byte-for-byte the canonical header
 of the expected codec settings and model schema, the container holds exactly the expected
 parts, and every value is valid (int8 codes in ±127, scales finite and >= 0, top-k indices
-strictly increasing and in range, every decoded value finite). Anything else raises
-:class:`ProtocolViolation`, and nothing else. Decoding uses only elementwise float32 ops, so
-every machine gets the same bits. Encoding (:class:`UpdateEncoder`) is deterministic for a
-given seed on a given machine; ``topk`` and ``lowrank`` keep an error-feedback residual.
+strictly increasing and in range; sparseloco counts within their chunks and summing to k,
+offsets inside their chunk and strictly increasing within it, code padding bits zero; every
+decoded value finite). Anything else raises :class:`ProtocolViolation`, and nothing else.
+Decoding uses only elementwise float32 ops, so every machine gets the same bits. Encoding
+(:class:`UpdateEncoder`) is deterministic for a given seed on a given machine; ``topk``,
+``sparseloco`` and ``lowrank`` keep an error-feedback residual.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec
 from p2ptrain.aggregate.codec_encoder import MAX_ABS_VALUE, EncoderStatistics, UpdateEncoder
 from p2ptrain.aggregate.codec_lowrank import LowRankCodec
 from p2ptrain.aggregate.codec_sparse import TopKCodec
+from p2ptrain.aggregate.codec_sparseloco import SparseLoCoCodec
 from p2ptrain.core.manifests import CodecSpec, ConfigValue
 from p2ptrain.core.tensors import MAX_NDIM, Schema, TensorSpec, decode_state_dict, schema_hash
 from p2ptrain.errors import LocalError, ProtocolViolation
@@ -149,6 +158,13 @@ def _topk(spec: CodecSpec) -> ParameterCodec:
     return TopKCodec(fraction=float(_setting(spec, "fraction", float, 0.01)))
 
 
+def _sparseloco(spec: CodecSpec) -> ParameterCodec:
+    return SparseLoCoCodec(
+        fraction=float(_setting(spec, "fraction", float, 0.02)),
+        bits=int(_setting(spec, "bits", int, 2)),
+    )
+
+
 def _lowrank(spec: CodecSpec) -> ParameterCodec:
     return LowRankCodec(rank=int(_setting(spec, "rank", int, 4)))
 
@@ -160,6 +176,7 @@ _REGISTRY: Final[dict[str, tuple[tuple[str, ...], Callable[[CodecSpec], Paramete
     "int8": (("block_size",), _int8),
     "topk": (("fraction",), _topk),
     "lowrank": (("rank",), _lowrank),
+    "sparseloco": (("bits", "fraction"), _sparseloco),
 }
 
 
@@ -261,8 +278,14 @@ def make_encoder(spec: CodecSpec, schema: Iterable[TensorSpec], *, seed: int = 0
     :class:`LocalError` for bad settings or schemas.
     """
     codec, model = codec_for(spec), model_schema(schema)
+    limit = max_update_bytes(spec, model)
     return UpdateEncoder(
-        codec, model, header_name=HEADER_TENSOR, header=header_bytes(codec, model), seed=seed
+        codec,
+        model,
+        header_name=HEADER_TENSOR,
+        header=header_bytes(codec, model),
+        seed=seed,
+        decode=lambda blob: decode_update(blob, spec, model, max_bytes=limit),
     )
 
 

@@ -4,10 +4,10 @@ The update is a seeded transformer-like pseudo-gradient (the state dict of
 :func:`p2ptrain.bench.tensor_codec.make_state_dict`, scaled like a real delta): a few dozen
 matrices and vectors, not one giant vector, so ``lowrank`` sees real matrices. For every
 codec with its default settings, each repeat encodes the update with one encoder (so
-``topk`` and ``lowrank`` run with their error feedback and warm starts, as on a trainer) and
-decodes the blob with full validation; the best time of the repeats counts (after one
-untimed warm-up encode). Throughput is in
-MB (10^6 bytes) of float32 input per second.
+``topk``, ``sparseloco`` and ``lowrank`` run with their error feedback and warm starts, as on
+a trainer) and decodes the blob with full validation; the best time of the repeats counts
+(after one untimed warm-up encode). Throughput is in MB (10^6 bytes) of float32 input per
+second.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
 #: every trainer holds; ``sharded`` -- from prepared shard files fetched from peers by hash;
 #: ``generated`` -- made from the lease, no data moves; ``custom`` -- a user callback.
 DATA_KINDS = ("indexed", "sharded", "generated", "custom")
-UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk", "lowrank")
+UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk", "lowrank", "sparseloco")
 AGGREGATION_RULES = (
     "mean",
     "trimmed_mean",
