@@ -28,7 +28,7 @@ from p2ptrain.core.envelope import Signed
 from p2ptrain.core.manifests import ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
-from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
     NodeEvent,
     Published,
@@ -42,7 +42,7 @@ from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.status import DataStatus, TrainerWindow
-from p2ptrain.node.trainer_window import TrainedUpdate, train_update
+from p2ptrain.node.trainer_window import TrainedUpdate, split_saved_state, train_update
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import Effect, Publish, TrainLater
 from p2ptrain.protocol.leases import Lease
@@ -99,6 +99,10 @@ class TrainerRunner(RoleRunner):
         #: The head a Train names, as the machine held it when it asked (a trainer ahead
         #: of the chain may start after the head moved on).
         self._train_base: BaseState = machine.base
+        #: Our published updates whose window is not certified yet (id, blob), and the
+        #: blobs of those the chain did not accept, for the worker thread to requeue.
+        self._unsettled: dict[int, tuple[str, bytes]] = {}
+        self._requeue: list[bytes] = []
         #: Every window trained (its compute utilisation is in the status).
         self._trained: list[Trained] = []
         #: Our own pseudo-gradients of windows no certified head we hold includes yet.
@@ -113,7 +117,10 @@ class TrainerRunner(RoleRunner):
         super().start(now)
 
     def do(self, effect: Effect) -> None:
-        if isinstance(effect, act.Train):
+        if isinstance(effect, act.Adopted):
+            self._settle(effect)
+            super().do(effect)
+        elif isinstance(effect, act.Train):
             if self.machine.base.head_id == effect.base_head:
                 self._train_base = self.machine.base
             self._pending = effect
@@ -234,6 +241,9 @@ class TrainerRunner(RoleRunner):
             begin(lease)
         indices = lease_indices(self.manifest.dataset, lease)
         metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
+        requeue, self._requeue = self._requeue, []
+        for blob in requeue:  # here, in the thread that encodes: never during an encode
+            self._encoder.requeue_unaccepted(blob)
         ahead = self.manifest.window.staleness > 0
         update = train_update(
             self.workload,
@@ -284,6 +294,8 @@ class TrainerRunner(RoleRunner):
             )
             return
         services.publish("update", signed)
+        if self._encoder.codec.error_feedback:
+            self._unsettled[signed.record.window] = (signed.record_id, blob)
         self.emit(
             Published(
                 peer_id=self.peer_id,
@@ -316,5 +328,26 @@ class TrainerRunner(RoleRunner):
         if metadata.get("experiment") != self.services.experiment_id:
             logger.warning("ignoring a trainer state saved for another experiment")
             return
-        self.workload.load_optimizer_state(tensors)
-        logger.info("inner optimizer state restored (window %s)", metadata.get("window"))
+        optimizer, residuals = split_saved_state(tensors)
+        self.workload.load_optimizer_state(optimizer)
+        try:
+            self._encoder.load_residuals(residuals)
+        except LocalError as exc:
+            logger.warning("starting the codec's error feedback from zero: %s", exc)
+        logger.info(
+            "inner optimizer state%s restored (window %s)",
+            " and error-feedback residuals" if residuals else "",
+            metadata.get("window"),
+        )
+
+    def _settle(self, adopted: act.Adopted) -> None:
+        """Our updates of windows the chain has now certified: one the head did not accept
+        (missed its window, rejected, screened out) goes back into the codec's residual, to
+        be sent again with the next update instead of lost."""
+        chain = self.machine.chain
+        for window in [w for w in self._unsettled if w <= adopted.head.height]:
+            update_id, blob = self._unsettled.pop(window)
+            link = chain.at(window)
+            if link is not None and update_id not in link.head.accepted:
+                self._requeue.append(blob)
+                logger.info("window %d: our update was not accepted; requeued", window)

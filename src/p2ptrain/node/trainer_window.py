@@ -17,7 +17,11 @@ import torch
 from p2ptrain.aggregate.codecs import UpdateEncoder
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["TrainedUpdate", "train_update"]
+__all__ = ["RESIDUAL_PREFIX", "TrainedUpdate", "split_saved_state", "train_update"]
+
+#: Where the codec's error-feedback residuals sit in the saved trainer state (next to the
+#: inner optimizer's tensors), so a restarted trainer sends what it had not sent yet.
+RESIDUAL_PREFIX = "codec_residual/"
 
 
 class TrainedUpdate(NamedTuple):
@@ -46,7 +50,8 @@ def train_update(
     keep_delta: bool = False,
 ) -> TrainedUpdate:
     """``steps`` inner steps from ``base`` on ``indices``, the encoded pseudo-gradient, and
-    the optimizer state passed to ``save_state`` once the update is encoded (and, with
+    the optimizer state and the codec's residuals (under :data:`RESIDUAL_PREFIX`) passed to
+    ``save_state`` once the update is encoded (and, with
     ``keep_delta``, the pseudo-gradient).
 
     Each copy of the weights is let go as soon as it is no longer needed (θ_local once Δ is
@@ -62,5 +67,21 @@ def train_update(
     blob = encoder.encode(delta)
     kept = delta if keep_delta else None
     del delta
-    save_state(workload.optimizer_state())
+    state = workload.optimizer_state()
+    state.update((RESIDUAL_PREFIX + name, r) for name, r in encoder.residuals().items())
+    save_state(state)
     return TrainedUpdate(blob, loss_before, loss_after, inner_seconds, ended_at, kept)
+
+
+def split_saved_state(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A saved trainer state as (the inner optimizer's tensors, the codec's residuals by
+    parameter name): what ``save_state`` was given, taken apart again after a restart."""
+    optimizer, residuals = {}, {}
+    for name, tensor in tensors.items():
+        if name.startswith(RESIDUAL_PREFIX):
+            residuals[name.removeprefix(RESIDUAL_PREFIX)] = tensor
+        else:
+            optimizer[name] = tensor
+    return optimizer, residuals
