@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS, head_blob_ids
+from p2ptrain.store.blobs import BlobStore
+from p2ptrain.store.datadir import BLOBS_DIR
 from p2ptrain.torch.char_gpt import char_gpt_workload
 from tests.support.local_net import (
     TINY_CONFIG,
@@ -36,6 +39,14 @@ def test_the_network_certifies_windows_and_the_loss_falls(local_net: Net) -> Non
     )
     net.check(all(len(head.accepted) >= 2 for head in chain), "a head accepts too few updates")
     check_one_tip(net, WINDOWS)
+    # the seed runs with --archive: it keeps every head's blobs, the others their last few
+    with BlobStore(net.data_dir("seed") / BLOBS_DIR) as blobs:
+        net.check(
+            all(blobs.has(b) for head in chain for b in head_blob_ids(head)),
+            "the archive seed should keep the blobs of every head",
+        )
+    net.check(net.status("seed")["keep_heads"] is None, "the seed runs with --archive")
+    net.check(net.status("trainer-0")["keep_heads"] == DEFAULT_KEEP_HEADS, "trainer-0 keeps")
 
     genesis, height, weights = genesis_and_tip(net.data_dir("seed"))
     torch.set_num_threads(1)

@@ -15,7 +15,13 @@ import pytest
 
 from p2ptrain.errors import BlobCorrupted, BlobNotFound, LocalError, ProtocolViolation
 from p2ptrain.store import blobs
-from p2ptrain.store.blobs import BlobStore, BlobStoreStatistics, blob_id, validate_blob_id
+from p2ptrain.store.blobs import (
+    BlobStore,
+    BlobStoreStatistics,
+    BlobUsage,
+    blob_id,
+    validate_blob_id,
+)
 
 SEED = 20240611
 SMALL = b"hello, blob"
@@ -327,6 +333,29 @@ def test_statistics_is_a_frozen_snapshot(store: BlobStore) -> None:
     assert (after.blobs_read, after.bytes_read) == (1, len(SMALL))
     with pytest.raises(AttributeError):
         after.blobs_put = 5  # type: ignore[misc]
+
+
+def test_usage_counts_what_is_there_then_follows_puts_and_deletes(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    sizes = [rng.randrange(1, 500) for _ in range(12)]
+    with BlobStore(tmp_path / "blobs") as first:
+        ids = [first.put(rng.randbytes(size)) for size in sizes]
+    with BlobStore(tmp_path / "blobs") as store:
+        (store.root / "tmp" / "123-abc").write_bytes(b"not a blob")
+        assert store.usage() == BlobUsage(blobs=12, bytes=sum(sizes)), f"seed={SEED}"
+        store.put(b"x" * 100)
+        store.put(b"x" * 100)  # a duplicate adds nothing
+        assert store.delete(ids[0]) and not store.delete(ids[0])
+        expected = BlobUsage(blobs=12, bytes=sum(sizes) - sizes[0] + 100)
+        assert store.usage() == expected
+        # a blob that stopped matching its id leaves the count as it leaves the store
+        victim = ids[1]
+        flip_byte(store.path(victim), 0)
+        with pytest.raises(BlobCorrupted):
+            store.get(victim)
+        assert store.usage() == BlobUsage(blobs=11, bytes=expected.bytes - sizes[1])
+        walked = sum(store.size(i) for i in store.ids())
+        assert store.usage().bytes == walked
 
 
 # -- open / close / temporaries -----------------------------------------------------------

@@ -18,6 +18,7 @@ from p2ptrain.node.setup import NodeSettings
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.workloads import SyntheticWorkload
 from p2ptrain.store.datadir import DataDir
@@ -92,6 +93,10 @@ def test_settings_take_several_roles_and_refuse_bad_ones(tmp_path: Path) -> None
         NodeSettings(data_dir=tmp_path, roles=("trainer",), experiment_toml=tmp_path / "e")
     with pytest.raises(LocalError, match="64 hex"):
         NodeSettings(data_dir=tmp_path, roles=("trainer",), experiment_id="abc")
+    assert both.keep_heads == DEFAULT_KEEP_HEADS and not both.archive
+    assert NodeSettings(data_dir=tmp_path, roles=("viewer",), keep_heads=1).keep_heads == 1
+    with pytest.raises(LocalError, match="--keep-heads 0: use 1 or more"):
+        NodeSettings(data_dir=tmp_path, roles=("viewer",), keep_heads=0)
 
 
 def test_cli_settings_from_toml_and_flags(tmp_path: Path) -> None:
@@ -113,6 +118,12 @@ def test_cli_settings_from_toml_and_flags(tmp_path: Path) -> None:
     several = settings_from(argparse.Namespace(**{**vars(args), "roles": None, "listen": None}))
     assert several.roles == ("trainer", "validator") and several.max_role_failures == 5
     assert several.host == "127.0.0.1"
+    assert settings.keep_heads == DEFAULT_KEEP_HEADS
+    config.write_text('role = ["viewer"]\nkeep_heads = 5\narchive = true\n')
+    kept = settings_from(argparse.Namespace(**{**vars(args), "roles": None}))
+    assert (kept.keep_heads, kept.archive) == (5, True)
+    flagged = settings_from(argparse.Namespace(**{**vars(args), "keep_heads": 2}))
+    assert flagged.keep_heads == 2  # the flag wins
     config.write_text("")
     with pytest.raises(LocalError, match="give the node its roles"):
         settings_from(argparse.Namespace(**{**vars(args), "roles": None}))

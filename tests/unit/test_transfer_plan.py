@@ -1,8 +1,10 @@
 """The pure parts of blob transfer: chunk planning with failover and resume, and finding the
-provider that served bad bytes (proof, not suspicion); plus BlobStore.adopt_verified."""
+provider that served bad bytes (proof, not suspicion); plus BlobStore.adopt_verified and
+the partial downloads a fetch leaves on disk."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from collections.abc import Sequence
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.errors import LocalError
 from p2ptrain.net.chunk_plan import ChunkPlan, Piece, Reconciliation, Span
+from p2ptrain.net.partial_file import partial_downloads, remove_partial
 from p2ptrain.store.blobs import BlobStore
 
 A, B, C = "http://a", "http://b", "http://c"
@@ -298,3 +301,34 @@ def test_adopt_verified_refuses_a_file_of_the_wrong_size(tmp_path: Path) -> None
         assert staged.exists() and not store.has(blob)
         with pytest.raises(LocalError, match="malformed blob id"):
             store.adopt_verified(staged, "not an id", 3)
+
+
+# -- partial downloads left on disk -------------------------------------------------------
+
+
+def test_partial_downloads_are_listed_by_blob_and_removed_only_when_nobody_fetches(
+    tmp_path: Path,
+) -> None:
+    blob_a, blob_b = hashlib.sha256(b"a").hexdigest(), hashlib.sha256(b"b").hexdigest()
+    files = {blob_a: 100, f"{blob_a}.json": 20, f"{blob_a}.round0": 30, blob_b: 7}
+    for name, size in files.items():
+        (tmp_path / name).write_bytes(b"\0" * size)
+        os.utime(tmp_path / name, (1000.0, 1000.0))
+    os.utime(tmp_path / blob_b, (2000.0, 2000.0))
+    (tmp_path / "README").write_text("not a download")
+    found = {download.blob_id: download for download in partial_downloads(tmp_path)}
+    first, second = found[blob_a], found[blob_b]
+    assert list(found) == sorted(found)
+    assert (first.blob_id, first.bytes, first.modified) == (blob_a, 150, 1000.0)
+    assert first.names == (blob_a, f"{blob_a}.json", f"{blob_a}.round0")
+    assert (second.blob_id, second.names, second.modified) == (blob_b, (blob_b,), 2000.0)
+    assert partial_downloads(tmp_path / "none") == []
+    # a fetch holds the partial file's lock: left alone
+    with open(tmp_path / blob_a, "rb") as fetching:
+        fcntl.flock(fetching, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert not remove_partial(first, tmp_path, unless_newer=first.modified)
+    # written since it was listed: left alone
+    os.utime(tmp_path / blob_a, (1500.0, 1500.0))
+    assert not remove_partial(first, tmp_path, unless_newer=first.modified)
+    assert remove_partial(first, tmp_path, unless_newer=1500.0)
+    assert sorted(os.listdir(tmp_path)) == sorted(["README", blob_b])

@@ -93,7 +93,8 @@ def run_network(
         network.start(name, role, args=args, program=program)
 
     try:
-        start("seed", "seed", ["--experiment-toml", str(path)])
+        # --archive: the seed keeps every certified head's weights, evaluated afterwards
+        start("seed", "seed", ["--experiment-toml", str(path), "--archive"])
         network.wait_ready(["seed"])
         start("reducer", "reducer", [])
         for i in range(3):

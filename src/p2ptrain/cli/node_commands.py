@@ -36,6 +36,7 @@ from p2ptrain.node.events import (
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.setup import DEFAULT_DATA_CACHE_MB, ROLES, NodeSettings, new_secret
 from p2ptrain.node.status import NodeStatus, decode_status, read_status
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 
 _NODE_COMMANDS = {
     "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
@@ -50,6 +51,7 @@ _CONFIG_KEYS = {
     "heartbeat_s",
     "max_role_failures",
     "archive",
+    "keep_heads",
     "dir",
     "experiment",
     "experiment_toml",
@@ -189,7 +191,15 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         action="store_true",
         default=None,
         help="keep every accepted update and proposal for good (who trained and proposed "
-        "what); by default a node keeps only what its roles used, for the last window",
+        "what), and every blob; by default a node keeps only what its roles used, for the "
+        "last window, and deletes the blobs it no longer needs",
+    )
+    parser.add_argument(
+        "--keep-heads",
+        type=int,
+        help="keep the weights and optimizer state of this many last certified heads (and "
+        "the genesis weights); older ones, and older windows' updates, are deleted "
+        f"(default {DEFAULT_KEEP_HEADS}; --archive keeps everything)",
     )
     parser.add_argument(
         "--heartbeat-s",
@@ -322,6 +332,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         mdns=bool(pick("mdns", False)),
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
         archive=bool(pick("archive", False)),
+        keep_heads=int(pick("keep_heads", DEFAULT_KEEP_HEADS)),
         heartbeat_s=float(pick("heartbeat_s", 20.0)),
         workload=pick("workload"),
         device=str(pick("device", "cpu")),
@@ -462,6 +473,14 @@ def describe_status(status: NodeStatus) -> list[str]:
             )
         elif d.location:
             lines.append(f"data at    {d.location}")
+    kept = f"the last {status.keep_heads} heads' blobs"
+    if status.keep_heads is None:
+        kept = "every blob (archive)"
+    failed = f"; {status.collect_failures} passes failed" if status.collect_failures else ""
+    lines.append(
+        f"store      {status.store_blobs} blobs, {mib(status.store_bytes)}; keeps {kept}; "
+        f"collected {status.blobs_collected} ({mib(status.bytes_collected)}){failed}"
+    )
     for error in status.errors[-5:]:
         lines.append(f"error      {error.role}, {error.describe()}")
     if status.storage is not None:

@@ -14,14 +14,20 @@ import logging
 import mmap
 import os
 import queue
+import re
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 
 logger = logging.getLogger(__name__)
+
+#: Where downloads in progress live, under the blob store's root.
+PARTIAL_DIR = "partial"
+_ID_PREFIX = re.compile(r"[0-9a-f]{64}")
 
 #: The prefix hasher waits for this many new bytes before an update (fewer, larger calls),
 _HASH_MIN_BYTES = 1 << 20
@@ -132,6 +138,72 @@ class PartialBlob:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class PartialDownload:
+    """The files a download of ``blob_id`` left in a partial directory: the partial file,
+    its record of ranges and re-fetch files (``<id>``, ``<id>.json``, ``<id>.round<n>``)."""
+
+    blob_id: str
+    names: tuple[str, ...]
+    bytes: int
+    #: The newest modification time among them (seconds since the epoch).
+    modified: float
+
+
+def partial_downloads(directory: Path) -> list[PartialDownload]:
+    """The downloads with files in ``directory`` (none if it does not exist), by blob id."""
+    found: dict[str, list[tuple[str, os.stat_result]]] = {}
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = _ID_PREFIX.match(entry.name)
+        if match is None:
+            continue
+        try:
+            status = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        found.setdefault(match.group(), []).append((entry.name, status))
+    return [
+        PartialDownload(
+            blob_id=blob_id,
+            names=tuple(sorted(name for name, _ in files)),
+            bytes=sum(status.st_size for _, status in files),
+            modified=max(status.st_mtime for _, status in files),
+        )
+        for blob_id, files in sorted(found.items())
+    ]
+
+
+def remove_partial(download: PartialDownload, directory: Path, *, unless_newer: float) -> bool:
+    """Remove a download's files unless somebody is downloading the blob now (the fetcher
+    holds the partial file's flock) or wrote to it after ``unless_newer`` (epoch seconds);
+    return whether they were removed. The lock is held while they go, so no fetch starts
+    on them meanwhile."""
+    path = directory / download.blob_id
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1  # only records left: nobody can be fetching into them
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a fetch is under way
+            if os.fstat(fd).st_mtime > unless_newer:
+                return False  # written since it was listed
+        for name in download.names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 class PrefixHasher:

@@ -58,6 +58,7 @@ from p2ptrain.net.chunk_plan import ChunkPlan, Piece, Reconciliation, Span
 from p2ptrain.net.client import PeerClient
 from p2ptrain.net.partial_file import (
     HASH_STEP_BYTES,
+    PARTIAL_DIR,
     PartialBlob,
     PrefixHasher,
     hash_range,
@@ -85,7 +86,6 @@ _EMPTY_ID = hashlib.sha256(b"").hexdigest()
 _FLUSH_BYTES = 8 << 20
 #: Record the ranges on disk at most this often (and when the fetch ends, however it ends).
 _SAVE_INTERVAL_S = 1.0
-_PARTIAL_DIR = "partial"
 #: Once one provider told the size, how long the others may still answer (at least).
 _PROBE_GRACE_S = 0.25
 #: The rate watcher looks every this often, at the rate over at least this long.
@@ -293,7 +293,7 @@ class BlobFetcher:
             size, addresses, unusable = await self._probe_size(blob_id, addresses)
         if size == 0:
             return self._store_empty(blob_id, started, tuple(unusable))
-        with PartialBlob(self._blobs.root / _PARTIAL_DIR, blob_id, size) as partial:
+        with PartialBlob(self._blobs.root / PARTIAL_DIR, blob_id, size) as partial:
             if self._blobs.has(blob_id):  # another fetcher finished it while we asked around
                 partial.forget()
                 return FetchResult(blob_id, size, time.monotonic() - started, {}, (), (), 0)

@@ -31,7 +31,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
-from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.node.events import Evaluated, NodeEvent
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import METRICS_KIND
@@ -125,6 +125,12 @@ class HeadEvaluator:
             await self._evaluate(offer, skipped)
         except Exception as exc:
             if self.services.storage.check(f"{self.role}, {EVALUATE_STEP}", exc):
+                return None
+            if isinstance(exc, BlobNotFound):  # older than the heads the node keeps
+                logger.info(
+                    "%s, head %d: its weights were collected meanwhile", self.role, offer.height
+                )
+                self.last_reason = f"head {offer.height} not evaluated: its weights were collected"
                 return None
             if isinstance(exc, TransportError | ProtocolViolation | OSError):
                 logger.warning("%s, head %d: %s", self.role, offer.height, exc)

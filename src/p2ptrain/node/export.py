@@ -25,7 +25,7 @@ from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
-from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.errors import BlobNotFound, LocalError, ProtocolViolation
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.metrics import median
@@ -102,6 +102,12 @@ def verified_head(data_dir: Path, head_id: str | None = None) -> VerifiedHead:
         try:
             blob = datadir.blobs.get(tip.head.weights_blob)
             weights = decode_state_dict(blob, expected_schema=manifest.workload.schema_hash)
+        except BlobNotFound:
+            raise LocalError(
+                f"the weights of head {tip.head_id[:12]} (height {tip.head.height}) are no "
+                f"longer in {data_dir}: a node keeps the blobs of its last certified heads "
+                "(--keep-heads) unless it runs with --archive; give a recent head's id"
+            ) from None
         except (OSError, ProtocolViolation) as exc:
             raise LocalError(f"the weights of head {tip.head_id[:12]} are unusable: {exc}") from exc
         certificate = tip.certificate

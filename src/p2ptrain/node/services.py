@@ -96,6 +96,8 @@ class PeerServices:
         self.on_adopted: Callable[[RoleMachine, act.Adopted], None] = lambda *_: None
         #: Set by the node: its intake rules, for records that did not come by gossip.
         self.admit: Callable[[Signed[Any]], Admission] = lambda _: ACCEPTED
+        #: Set by the node: an update record a role keeps (its blob is that window's).
+        self.on_update: Callable[[Update], None] = lambda _: None
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         #: Whether local writes go through (a full disk is reported once, not per write).
@@ -135,6 +137,8 @@ class PeerServices:
 
     def remember(self, signed: Signed[Any], kind: str, height: int) -> None:
         """Keep a signed record peers may ask for by id (nodes that serve)."""
+        if isinstance(signed.record, Update):
+            self.on_update(signed.record)
         if not self.keeps_records:
             return
         self.store.put_signed(

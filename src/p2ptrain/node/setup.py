@@ -43,6 +43,7 @@ from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
 __all__ = [
@@ -96,9 +97,14 @@ class NodeSettings:
     heartbeat_s: float = 20.0
     #: A role whose steps fail this many times in a row ends the node.
     max_role_failures: int = DEFAULT_MAX_FAILURES
-    #: Keep every accepted update and proposal for good (who proposed and trained what);
-    #: otherwise a node keeps the records its roles used, for the last certified window.
+    #: Keep every accepted update and proposal for good (who proposed and trained what),
+    #: and every blob; otherwise a node keeps the records its roles used, for the last
+    #: certified window, and collects the blobs it no longer needs (``keep_heads``).
     archive: bool = False
+    #: Certified heads whose blobs (weights, outer-optimizer state) a node keeps besides the
+    #: genesis weights; older heads' blobs and older windows' updates are deleted
+    #: (:mod:`p2ptrain.protocol.retention`; ``archive`` keeps everything).
+    keep_heads: int = DEFAULT_KEEP_HEADS
     #: The workload's code, when it is not built in or installed: ``path/file.py:factory``
     #: or ``package.module:factory`` (a seed signs it into the experiment; a trainer runs it).
     workload: str | None = None
@@ -125,6 +131,11 @@ class NodeSettings:
         if self.experiment_toml is not None and "seed" not in self.roles:
             raise LocalError(
                 "--experiment-toml is for the node that creates the network: add --role seed"
+            )
+        if self.keep_heads < 1:
+            raise LocalError(
+                f"--keep-heads {self.keep_heads}: use 1 or more (a node keeps the blobs of "
+                "its last certified heads; --archive keeps every blob)"
             )
         if self.data_cache_bytes < 0:
             raise LocalError(

@@ -9,7 +9,8 @@ experiment's intake rules (the topic validator: nothing is kept or forwarded bef
 passed them, :mod:`p2ptrain.protocol.intake`), and hands each message to every runner
 (gossip hands a node its own messages too, so what one role publishes reaches the others).
 It persists each certified head once (whichever role adopted it first) and prunes the
-updates and proposals of older windows, emits one ``adopted`` event per height, takes in
+updates and proposals of older windows (and, after each adoption, has the blobs it no
+longer needs deleted: :mod:`.collector`), emits one ``adopted`` event per height, takes in
 and stores the metrics reports of certified heads (:mod:`p2ptrain.protocol.metrics`; with
 ``--evaluate`` it evaluates each adopted head itself: :mod:`.evaluator`), answers
 ``/v1/status``, ``/v1/records/`` and ``/v1/network``, asks a peer now and then
@@ -26,6 +27,7 @@ it adopted, then catches up with its peers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -37,7 +39,7 @@ from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed
-from p2ptrain.core.records import MetricsReport, Proposal, Update
+from p2ptrain.core.records import Head, MetricsReport, Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
@@ -46,6 +48,7 @@ from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.wire_meter import loop_meter
+from p2ptrain.node.collector import BlobCollector, CollectorStatistics
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
     HeadAdopted,
@@ -76,6 +79,7 @@ from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.metrics import MetricsBook
+from p2ptrain.protocol.retention import KeepSet, pinned_blobs, unknown_grace_s
 from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.store.atomic import overwrite_in_place, write_atomically
 from p2ptrain.torch.workload import Workload
@@ -142,6 +146,17 @@ class Node:
             emit=self._emit,
         )
         self.services.on_adopted = self._adopted
+        #: Deletes the blobs the node no longer needs (None: an archive node keeps all).
+        self.collector: BlobCollector | None = None
+        if not settings.archive:
+            self.collector = BlobCollector(
+                store.blobs,
+                keep_heads=settings.keep_heads,
+                pinned=pinned_blobs(self.manifest),
+                grace_s=unknown_grace_s(self.manifest.window),
+                storage=self.services.storage,
+            )
+            self.services.on_update = self.collector.saw_update
         self.intake = IntakeRules(
             self.manifest,
             self.experiment_id,
@@ -256,6 +271,9 @@ class Node:
                     group.create_task(runner.run(), name=runner.role)
                 group.create_task(self._sync_forever(), name="sync")
                 group.create_task(self._status_forever(), name="status")
+                if self.collector is not None:
+                    snapshot = functools.partial(self._keep_set, self.collector)
+                    group.create_task(self.collector.run(snapshot), name="collector")
                 if self.evaluator is not None:
                     group.create_task(self.evaluator.run(), name="evaluator")
                 await self._stop.wait()
@@ -306,6 +324,8 @@ class Node:
                 self.evaluator.offer(tip.height, tip.id, tip.weights_blob)
         for runner in self.runners:
             runner.start(now)
+        if self.collector is not None:
+            self.collector.request()  # what an earlier run left
 
     # -- gossip in ------------------------------------------------------------------------
 
@@ -332,9 +352,11 @@ class Node:
         if not isinstance(record, CertifiedLink) and isinstance(record.record, MetricsReport):
             self._take_report(record)
             return  # beside the chain: no role machine has a use for it
-        if self.settings.archive and not isinstance(record, CertifiedLink):
+        if not isinstance(record, CertifiedLink):
             inner = record.record
-            if isinstance(inner, Update | Proposal):
+            if isinstance(inner, Update):
+                self.services.on_update(inner)  # its blob is that window's
+            if self.settings.archive and isinstance(inner, Update | Proposal):
                 self.store.put_signed(
                     record.record_id,
                     message.kind,
@@ -430,7 +452,21 @@ class Node:
             self._write_status(self.status())
             if self.evaluator is not None:
                 self.evaluator.offer(head.height, action.head_id, head.weights_blob)
+        if self.collector is not None:
+            self.collector.request()
         self._check_target()
+
+    def _keep_set(self, collector: BlobCollector) -> KeepSet:
+        """What the node keeps now: the blobs of its chain's last heads and of the heads its
+        roles build on, the updates of recent windows, genesis and the dataset's shards."""
+        chain = self._serving().machine.chain
+
+        def head_at(height: int) -> Head | None:
+            link = chain.at(height)
+            return None if link is None else link.head
+
+        in_use = [runner.machine.base.head for runner in self.runners]
+        return collector.snapshot(chain.height, head_at, in_use)
 
     def _check_target(self) -> None:
         target = self.settings.windows
@@ -484,6 +520,10 @@ class Node:
             await asyncio.sleep(self.settings.sync_interval_s * (0.75 + rng.random() / 2))
 
     async def _status_forever(self) -> None:
+        try:
+            await asyncio.to_thread(self.store.blobs.usage)  # counted off the loop, once
+        except OSError as exc:  # counted again when the status asks
+            logger.warning("counting the blob store: %s", exc)
         while True:
             await asyncio.sleep(_STATUS_EVERY_S)
             try:
@@ -516,6 +556,8 @@ class Node:
             (d for r in self.runners if isinstance(r, TrainerRunner) and (d := r.data_status())),
             None,
         )
+        usage = self.store.blobs.usage()
+        collected = CollectorStatistics() if self.collector is None else self.collector.statistics()
         return NodeStatus(
             peer_id=self.peer_id,
             roles=tuple(self.settings.roles),
@@ -541,6 +583,12 @@ class Node:
             wire_measured=meter is not None,
             pid=os.getpid(),
             storage=self.services.storage.problem,
+            store_blobs=usage.blobs,
+            store_bytes=usage.bytes,
+            blobs_collected=collected.blobs_collected,
+            bytes_collected=collected.bytes_collected,
+            collect_failures=collected.failures,
+            keep_heads=None if self.collector is None else self.collector.keep_heads,
             validation=self._validation(),
             data=data,
         )

@@ -173,6 +173,15 @@ class NodeStatus(_Record, frozen=True):
     pid: int = 0
     #: None while writes go through; the problem while the disk refuses them.
     storage: StorageProblem | None = None
+    #: The blob store: its blobs and their bytes (partial downloads not counted); what the
+    #: node deleted since it started (blobs, bytes, passes that failed); and how many
+    #: certified heads' blobs it keeps (None: an archive node keeps every blob).
+    store_blobs: int = 0
+    store_bytes: int = 0
+    blobs_collected: int = 0
+    bytes_collected: int = 0
+    collect_failures: int = 0
+    keep_heads: int | None = None
     #: The latest head with metrics reports (None: no evaluator reported yet).
     validation: ValidationMetrics | None = None
     #: A trainer's training data: its kind, what it is, where it lives, and for prepared

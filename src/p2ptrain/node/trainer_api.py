@@ -48,6 +48,7 @@ from p2ptrain.node.persist import median_val_loss
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.shell import Node
 from p2ptrain.node.workload_check import build_workload
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.torch.batch_loss import BatchLoss
 from p2ptrain.torch.workload import LossFn, TorchWorkload, Workload
 
@@ -104,6 +105,7 @@ class Trainer:
         host: str | None = None,
         port: int = 0,
         max_role_failures: int = DEFAULT_MAX_FAILURES,
+        keep_heads: int = DEFAULT_KEEP_HEADS,
     ) -> None:
         """Give either ``model``, ``optimizer`` and ``train_loader`` (``val_loader``: what
         the model is evaluated on when this node evaluates; default: the train set;
@@ -114,6 +116,8 @@ class Trainer:
         ``cuda:N``, ``mps``). ``roles``: roles this node holds besides trainer (e.g.
         ``("validator",)``); ``host``/``port``: serve on this address (None: outbound only,
         the default for a trainer; a validator or reducer needs one, or a relay).
+        ``keep_heads``: the last certified heads whose weights and optimizer state the data
+        directory keeps (older ones are deleted, like older windows' updates).
 
         One forward and backward pass on one batch runs here, before anything joins, so a
         mistake in the model, the loss or the data fails at once, in words."""
@@ -128,6 +132,7 @@ class Trainer:
             "secret": secret,
             "threads": threads,
             "max_role_failures": max_role_failures,
+            "keep_heads": keep_heads,
             "workload": reference,
             "device": device,
         }

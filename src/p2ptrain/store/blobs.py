@@ -56,6 +56,7 @@ from p2ptrain.store.blob_io import (
 __all__ = [
     "BlobStore",
     "BlobStoreStatistics",
+    "BlobUsage",
     "blob_id",
     "validate_blob_id",
 ]
@@ -111,6 +112,15 @@ class BlobStoreStatistics:
     stale_temps_removed: int = 0  # temporaries of crashed writers removed on open
 
 
+@dataclass(frozen=True, slots=True)
+class BlobUsage:
+    """What the store holds: visible blobs and their bytes (temporaries, partial downloads
+    and quarantined files not counted)."""
+
+    blobs: int = 0
+    bytes: int = 0
+
+
 class BlobStore:
     """A directory of immutable blobs named by the SHA-256 of their bytes.
 
@@ -128,6 +138,10 @@ class BlobStore:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(BlobStoreStatistics.__slots__, 0)
         self._known_dirs: set[str] = set()
+        #: Held while blobs appear or vanish and while they are counted, so that a count
+        #: and the changes around it agree (:meth:`usage`).
+        self._usage_lock = threading.Lock()
+        self._usage: BlobUsage | None = None  # None: not counted yet
         try:
             for directory in (self._root, self._tmp, self._corrupt):
                 directory.mkdir(parents=True, exist_ok=True)
@@ -160,6 +174,23 @@ class BlobStore:
         """A snapshot of this store's counters."""
         with self._lock:
             return BlobStoreStatistics(**self._counts)
+
+    def usage(self) -> BlobUsage:
+        """How many blobs the store holds and their bytes. The first call counts them (it
+        walks the store: call it off the event loop on a large one); this store's writes
+        and deletes keep the count up to date after that (another process writing the
+        same root is not seen)."""
+        with self._usage_lock:
+            if self._usage is None:
+                blobs = total = 0
+                for blob_id in self.ids():
+                    try:
+                        total += self._path(blob_id).stat().st_size
+                    except FileNotFoundError:  # deleted by another process meanwhile
+                        continue
+                    blobs += 1
+                self._usage = BlobUsage(blobs, total)
+            return self._usage
 
     # -- writing -------------------------------------------------------------------------
 
@@ -318,10 +349,14 @@ class BlobStore:
 
     def delete(self, blob_id: str) -> bool:
         """Remove a blob; return whether it was there. Not fsynced: a crash may revive it."""
-        try:
-            self._path(blob_id).unlink()
-        except FileNotFoundError:
-            return False
+        path = self._path(blob_id)
+        with self._usage_lock:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            self._changed(-1, -size)
         self._count(blobs_deleted=1)
         return True
 
@@ -343,6 +378,11 @@ class BlobStore:
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
+
+    def _changed(self, blobs: int, nbytes: int) -> None:
+        """Blobs appeared or vanished (the caller holds ``_usage_lock``)."""
+        if self._usage is not None:
+            self._usage = BlobUsage(self._usage.blobs + blobs, self._usage.bytes + nbytes)
 
     def _open_and_clean(self) -> int:
         """Take the store's shared lock, removing stale temporaries if we are alone.
@@ -386,11 +426,15 @@ class BlobStore:
         directory = self._root / digest[:2]
         self._ensure_directory(directory)
         final = directory / digest
-        if final.exists():
+        with self._usage_lock:
+            duplicate = final.exists()
+            if not duplicate:
+                os.replace(tmp_path, final)
+                self._changed(1, nbytes)
+        if duplicate:
             os.unlink(tmp_path)
             self._count(blobs_deduplicated=1, bytes_put=nbytes)
             return digest
-        os.replace(tmp_path, final)
         fsync_directory(directory)
         self._count(blobs_put=1, bytes_put=nbytes)
         return digest
@@ -433,15 +477,21 @@ class BlobStore:
         self._count(corruptions_detected=1)
         source = self._path(blob_id)
         destination = "(nowhere: another reader moved it, or a fresh copy replaced it)"
-        try:
-            current = source.stat()
-        except FileNotFoundError:
-            current = None
-        if current is not None and (current.st_ino, current.st_dev) == (
-            status.st_ino,
-            status.st_dev,
-        ):
-            destination = _move_to_free_name(source, self._corrupt, blob_id)
+        with self._usage_lock:  # blobs appear and vanish under this lock: the file stays put
+            try:
+                current = source.stat()
+            except FileNotFoundError:
+                current = None
+            if current is not None and (current.st_ino, current.st_dev) == (
+                status.st_ino,
+                status.st_dev,
+            ):
+                moved = _move_to_free_name(source, self._corrupt, blob_id)
+                if moved is None:
+                    destination = "(nowhere: another process moved it first)"
+                else:
+                    destination = moved
+                    self._changed(-1, -current.st_size)
         logger.warning("blob %s does not match its id; moved aside to %s", blob_id, destination)
         raise BlobCorrupted(blob_id, destination)
 
@@ -479,7 +529,8 @@ def _subdirectory_names(directory: Path) -> Iterator[str]:
         yield from (entry.name for entry in entries if entry.is_dir(follow_symlinks=False))
 
 
-def _move_to_free_name(source: Path, directory: Path, stem: str) -> str:
+def _move_to_free_name(source: Path, directory: Path, stem: str) -> str | None:
+    """Move ``source`` to ``directory/<stem>.<n>`` (the first free n); None if it is gone."""
     for n in itertools.count():
         destination = directory / f"{stem}.{n}"
         try:
@@ -487,7 +538,7 @@ def _move_to_free_name(source: Path, directory: Path, stem: str) -> str:
         except FileExistsError:
             continue
         except FileNotFoundError:
-            return "(nowhere: another reader moved it first)"
+            return None
         os.unlink(source)
         return str(destination)
     raise AssertionError("unreachable")
