@@ -57,17 +57,20 @@ class Fixture:
             os.utime(self.store.path(blob), (self.now + age_s, self.now + age_s))
         return blob
 
-    def head(self, height: int, weights: str, optimizer: str | None) -> Head:
+    def head(
+        self, height: int, weights: str, optimizer: str | None, aggregate: str | None = None
+    ) -> Head:
         return Head(
             experiment_id=EXPERIMENT,
             height=height,
             parent=None if height == 0 else h(f"parent-{height}"),
             weights_blob=weights,
             optimizer_blob=optimizer,
+            aggregate_blob=aggregate,
         )
 
     def add_head(self, height: int) -> Head:
-        self.heads[height] = self.head(height, self.put(), self.put())
+        self.heads[height] = self.head(height, self.put(), self.put(), self.put())
         return self.heads[height]
 
     def update(self, window: int, blob: str) -> Update:
@@ -116,8 +119,8 @@ def test_a_pass_keeps_the_last_heads_recent_updates_and_what_is_pinned(store: Bl
 
     kept = {f.genesis, f.shard, f.young} | f.blobs_of(4, 5) | f.deltas(4, 5, 6)
     assert set(store.ids()) == kept, f"seed={SEED}"
-    assert done.reasons == {rule.OLD_HEAD: 6, rule.OLD_UPDATE: 2, rule.STALE: 1}
-    assert done.blobs == 9
+    assert done.reasons == {rule.OLD_HEAD: 9, rule.OLD_UPDATE: 2, rule.STALE: 1}
+    assert done.blobs == 12
     assert store.usage().blobs == len(kept)
     assert store.usage().bytes == sum(store.size(b) for b in kept)
     assert done.bytes == before.bytes - store.usage().bytes
@@ -132,10 +135,10 @@ def test_the_next_pass_releases_only_what_fell_out_since(store: BlobStore) -> No
     collector.collect(collector.snapshot(5, f.head_at, in_use=[f.heads[5]]))
     # head 6 names head 4's optimizer state again: a blob named by a head that falls out
     # and by one kept stays
-    six = f.heads[6] = f.head(6, f.put(), f.heads[4].optimizer_blob)
+    six = f.heads[6] = f.head(6, f.put(), f.heads[4].optimizer_blob, f.put())
     collector.saw_update(f.update(7, f.put()))
     done = collector.collect(collector.snapshot(6, f.head_at, in_use=[six]))
-    assert done.reasons == {rule.OLD_HEAD: 1, rule.OLD_UPDATE: 1}
+    assert done.reasons == {rule.OLD_HEAD: 2, rule.OLD_UPDATE: 1}  # weights and aggregate
     assert not store.has(f.heads[4].weights_blob) and store.has(f.heads[4].optimizer_blob)
     assert f.blobs_of(5) <= set(store.ids()) and store.has(six.weights_blob)
     assert not store.has(f.updates[4].delta_blob) and store.has(f.updates[5].delta_blob)

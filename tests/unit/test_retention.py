@@ -30,25 +30,19 @@ def heads_up_to(top: int) -> list[Head]:
 
 
 def blobs_of(*heights: int) -> set[str]:
-    return {b for n in heights for b in (h(f"weights-{n}"), h(f"opt-{n}"))}
+    return {b for n in heights for b in (h(f"weights-{n}"), h(f"opt-{n}"), h(f"aggregate-{n}"))}
 
 
-class _HeadWithAggregate(Head, frozen=True, kw_only=True):
-    """A head that names one more blob (heads may come to carry an aggregate)."""
-
-    aggregate_blob: str | None = None
-
-
-def test_a_head_names_its_weights_its_optimizer_state_and_any_other_blob() -> None:
+def test_a_head_names_its_weights_its_optimizer_state_and_its_aggregate() -> None:
     plain = head(EXPERIMENT, 3, label="3")
-    assert head_blob_ids(plain) == (h("weights-3"), h("opt-3"))
+    assert head_blob_ids(plain) == (h("weights-3"), h("opt-3"), h("aggregate-3"))
     no_optimizer = Head(
         experiment_id=EXPERIMENT, height=0, parent=None, weights_blob=h("g"), optimizer_blob=None
     )
     assert head_blob_ids(no_optimizer) == (h("g"),)
 
-    def aggregated(aggregate: str | None) -> Head:
-        return _HeadWithAggregate(
+    def aggregated(aggregate: str) -> Head:
+        return Head(
             experiment_id=EXPERIMENT,
             height=3,
             parent=h("p"),
@@ -58,7 +52,6 @@ def test_a_head_names_its_weights_its_optimizer_state_and_any_other_blob() -> No
         )
 
     assert head_blob_ids(aggregated(h("a"))) == (h("w"), h("o"), h("a"))
-    assert head_blob_ids(aggregated(None)) == (h("w"), h("o"))
     assert head_blob_ids(aggregated(h("w"))) == (h("w"), h("o"))  # named twice, listed once
 
 

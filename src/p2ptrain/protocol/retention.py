@@ -99,7 +99,7 @@ class KeepSet:
 def head_blob_ids(head: Head) -> tuple[str, ...]:
     """Every blob ``head`` names: its weights, its outer-optimizer state and any other blob
     a head carries (an ``aggregate_blob``, where heads have one)."""
-    named = (head.weights_blob, head.optimizer_blob, getattr(head, "aggregate_blob", None))
+    named = (head.weights_blob, head.optimizer_blob, head.aggregate_blob)
     return tuple(dict.fromkeys(b for b in named if isinstance(b, str)))
 
 
