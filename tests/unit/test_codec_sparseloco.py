@@ -244,11 +244,11 @@ def test_loading_copies_and_an_empty_mapping_means_none() -> None:
         (lambda r: r.pop("b"), r"missing \['b'\]"),
         (lambda r: r.__setitem__("other.weight", torch.zeros(2)), "unexpected.*other.weight"),
         (lambda r: r.__setitem__("w", torch.zeros(48, 64)), "'w' has shape"),
-        (lambda r: r.__setitem__("b", torch.zeros(48).double()), "'b' is not float32"),
+        (lambda r: r.__setitem__("b", torch.zeros(48).double()), "'b' must be a float32 tensor"),
         (lambda r: r.__setitem__("t", torch.tensor(math.nan)), "'t' holds NaN"),
         (lambda r: r["w"].view(-1).__setitem__(7, -math.inf), "'w' holds NaN"),
         (lambda r: r["w"].view(-1).__setitem__(7, 1e31), "'w' holds NaN"),
-        (lambda r: r.__setitem__("b", [0.0] * 48), "'b' is not float32"),
+        (lambda r: r.__setitem__("b", [0.0] * 48), "'b' must be a float32 tensor"),
     ],
 )
 def test_bad_saved_residuals_are_local_errors_that_change_nothing(

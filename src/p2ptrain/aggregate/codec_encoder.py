@@ -136,29 +136,49 @@ class UpdateEncoder:
 
     def _checked(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The delta's tensors on the CPU, after checking them against the schema."""
+        return self._schema_tensors(
+            delta,
+            "delta",
+            mismatch="pass one tensor per schema parameter",
+            fix="",
+            beyond="local training diverged; lower the inner learning rate or restart from "
+            "the head",
+        )
+
+    def _schema_tensors(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        what: str,
+        *,
+        mismatch: str,
+        fix: str,
+        beyond: str,
+    ) -> dict[str, torch.Tensor]:
+        """Fresh CPU copies of ``tensors``, one finite float32 tensor of the schema's shape
+        per schema parameter, or :class:`LocalError` naming the first that is not (``what``:
+        the tensors' name in the message; ``fix``: what to do, after every message)."""
         expected = {spec.name for spec in self._schema}
-        missing, extra = sorted(expected - delta.keys()), sorted(delta.keys() - expected)
+        missing, extra = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
         if missing or extra:
             raise LocalError(
-                f"delta does not match the model schema: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}; pass one tensor per schema parameter"
+                f"{what} does not match the model schema: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}; {mismatch}{fix}"
             )
         values = {}
         for spec in self._schema:
-            value = delta[spec.name]
+            value = tensors[spec.name]
             if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-                raise LocalError(f"delta {spec.name!r} must be a float32 tensor")
+                raise LocalError(f"{what} {spec.name!r} must be a float32 tensor{fix}")
             if tuple(value.shape) != spec.shape:
                 raise LocalError(
-                    f"delta {spec.name!r} has shape {tuple(value.shape)}; "
-                    f"the schema says {spec.shape}"
+                    f"{what} {spec.name!r} has shape {tuple(value.shape)}; "
+                    f"the schema says {spec.shape}{fix}"
                 )
-            value = value.detach().cpu()
+            value = value.detach().to("cpu", copy=True)
             if not bool(value.abs().le(MAX_ABS_VALUE).all()):
                 raise LocalError(
-                    f"delta {spec.name!r} holds NaN, infinity or values beyond "
-                    f"±{MAX_ABS_VALUE:g}: local training diverged; lower the inner learning "
-                    "rate or restart from the head"
+                    f"{what} {spec.name!r} holds NaN, infinity or values beyond "
+                    f"±{MAX_ABS_VALUE:g}: {beyond}{fix}"
                 )
             values[spec.name] = value
         return values
@@ -190,30 +210,13 @@ class UpdateEncoder:
                 f"codec {self._codec.name} keeps no error-feedback residuals, yet "
                 f"{len(tensors)} were given: they were saved under another codec; {where}"
             )
-        expected = {spec.name for spec in self._schema}
-        missing, extra = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
-        if missing or extra:
-            raise LocalError(
-                f"saved residuals do not match the model schema: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}; they belong to another model or revision: {where}"
-            )
-        loaded = {}
-        for spec in self._schema:
-            value = tensors[spec.name]
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-                raise LocalError(f"saved residual {spec.name!r} is not float32; {where}")
-            if tuple(value.shape) != spec.shape:
-                raise LocalError(
-                    f"saved residual {spec.name!r} has shape {tuple(value.shape)}, the schema "
-                    f"says {spec.shape}; {where}"
-                )
-            value = value.detach().to("cpu", copy=True)
-            if not bool(value.abs().le(MAX_ABS_VALUE).all()):
-                raise LocalError(
-                    f"saved residual {spec.name!r} holds NaN, infinity or values beyond "
-                    f"±{MAX_ABS_VALUE:g}: the file is damaged; {where}"
-                )
-            loaded[spec.name] = value
+        loaded = self._schema_tensors(
+            tensors,
+            "saved residual",
+            mismatch="they belong to another model or revision",
+            fix=f"; {where}",
+            beyond="the file is damaged",
+        )
         self._residuals = loaded
 
     def requeue_unaccepted(self, blob: bytes) -> None:
