@@ -187,18 +187,13 @@ class RolePolicy:
         if isinstance(action, act.SendCertificate):
             link = CertifiedLink(head=action.head, certificate=action.certificate)
             return [Publish("certificate", link)]
-        if isinstance(action, act.FetchState):
+        if isinstance(action, act.FetchState | act.FetchAggregate):
             if action.head_id in self._fetching_states:
-                return []
+                return []  # one fetch of a head's state (whole or by aggregate) at a time
             self._fetching_states.add(action.head_id)
             first = () if action.peer is None else (peer_id_of(action.peer),)
-            return [Fetch(StateFetch(action.head, action.head_id, first))]
-        if isinstance(action, act.FetchAggregate):
-            if action.head_id in self._fetching_states:
-                return []
-            self._fetching_states.add(action.head_id)
-            first = () if action.peer is None else (peer_id_of(action.peer),)
-            return [Fetch(AggregateFetch(action.head, action.head_id, first))]
+            kind = StateFetch if isinstance(action, act.FetchState) else AggregateFetch
+            return [Fetch(kind(action.head, action.head_id, first))]
         if isinstance(action, act.FetchChain):
             return [Fetch(ChainFetch(peer_id_of(action.peer), action.after_height))]
         if isinstance(action, act.Adopted):
