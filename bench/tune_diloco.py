@@ -6,7 +6,10 @@ encodes its pseudo-gradient ``theta_base - theta_local`` with the experiment's c
 default), and publishes an Update; the window is then reduced by
 ``p2ptrain.protocol.reduction.reduce_window`` itself -- the same admission, screening,
 aggregation rule (trimmed mean by default) and outer Nesterov step a reducer runs. Only
-networking and signatures are left out.
+networking and signatures are left out. The inner learning rate follows the manifest's
+schedule (by default the demo's cosine decay to ``--min-lr-ratio``; ``--constant-lr``), and
+``--staleness 1`` trains each window on the head before the newest plus the trainer's own
+pseudo-gradient of the window in between, as trainers with ``window.staleness = 1`` do.
 
 The run is then replayed as synchronous data parallel training on exactly the same samples
 (``p2ptrain.torch.baseline.ddp_equivalent``), and the script prints both validation losses,
@@ -15,6 +18,7 @@ all-reduce of fp32 gradients would send.
 
     .venv/bin/python bench/tune_diloco.py                       # the demo defaults
     .venv/bin/python bench/tune_diloco.py --inner-steps 30 --windows 12 --outer-momentum 0.8
+    .venv/bin/python bench/tune_diloco.py --codec sparseloco --codec-config '{"fraction": 0.02}'
 
 Uses one CPU thread (``--threads``), like each process of the local demo.
 """
@@ -49,7 +53,12 @@ from p2ptrain.protocol.chain import genesis_head
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.reduction import BaseState, Submission, reduce_window
 from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
-from p2ptrain.torch.char_gpt import DEFAULT_CONFIG, DEMO_DEFAULTS, char_gpt_workload
+from p2ptrain.torch.char_gpt import (
+    DEFAULT_CONFIG,
+    DEMO_AGGREGATE_PRECISION,
+    DEMO_DEFAULTS,
+    char_gpt_workload,
+)
 from p2ptrain.torch.workload import TorchWorkload
 
 
@@ -91,17 +100,55 @@ def _manifest(
         authority=_identity("authority").public_key,
         workload=WorkloadSpec(name="char-gpt", schema_hash=schema_hash(genesis), config=config),
         dataset=workload.dataset_manifest(),
-        inner_optimizer=InnerOptimizerSpec(name="adamw", lr=float(config["lr"])),
+        inner_optimizer=InnerOptimizerSpec(
+            name="adamw",
+            lr=float(config["lr"]),
+            schedule="constant" if args.min_lr_ratio is None else "cosine",
+            decay_windows=args.windows,
+            min_lr_ratio=1.0 if args.min_lr_ratio is None else args.min_lr_ratio,
+        ),
         inner_steps=args.inner_steps,
         outer_optimizer=OuterOptimizerSpec(lr=args.outer_lr, momentum=args.outer_momentum),
-        window=WindowSpec(min_updates=1, max_updates=max(8, args.trainers)),
-        codec=CodecSpec(name=args.codec),
-        aggregation=AggregationSpec(rule=args.rule),
+        window=WindowSpec(
+            min_updates=1, max_updates=max(8, args.trainers), staleness=args.staleness
+        ),
+        codec=CodecSpec(name=args.codec, config=json.loads(args.codec_config)),
+        aggregation=AggregationSpec(rule=args.rule, precision=args.aggregate_precision),
         validators=(_identity("validator").public_key,),
         quorum=1,
         lease_size=args.inner_steps * int(config["batch_size"]),
         genesis_weights=sha256_hex(bytes(encode_state_dict(genesis))),
     )
+
+
+def _start_weights(
+    built_on: BaseState, base: BaseState, pending: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Where a window starts: the head it builds on, minus the trainer's own pseudo-gradient
+    of the window in between when that head is older than the newest (staleness 1)."""
+    if built_on is base or pending is None:
+        return dict(built_on.weights)
+    return {name: value - pending[name] for name, value in built_on.weights.items()}
+
+
+def _replay_ddp(
+    args: argparse.Namespace,
+    workload: TorchWorkload,
+    manifest: ExperimentManifest,
+    windows: list[list[list[int]]],
+) -> tuple[float, float]:
+    """DDP's validation loss on the run's samples and its seconds (NaN with --no-ddp)."""
+    if args.no_ddp:
+        return float("nan"), 0.0
+    started = time.perf_counter()
+    loss = ddp_equivalent(
+        workload,
+        windows,
+        steps=args.inner_steps,
+        seed_of=seed_of,
+        lr_scale=manifest.inner_optimizer.lr_scale,
+    )
+    return loss, time.perf_counter() - started
 
 
 def simulate(args: argparse.Namespace) -> Figures:
@@ -121,6 +168,9 @@ def simulate(args: argparse.Namespace) -> Figures:
     head = genesis_head(manifest, leases.experiment_id)
     base = BaseState(head=head, head_id=head.id, weights=genesis)
     genesis_val = trainers[0].evaluate(genesis)
+    #: the heads before ``base`` (newest last) and each trainer's own deltas not yet in one
+    older: list[BaseState] = []
+    own: list[dict[str, torch.Tensor] | None] = [None] * args.trainers
     windows: list[list[list[int]]] = []
     val_per_window: list[float] = []
     train_s = 0.0
@@ -128,22 +178,29 @@ def simulate(args: argparse.Namespace) -> Figures:
     for w in range(args.windows):
         cohort: list[Submission] = []
         window_indices: list[list[int]] = []
+        # staleness s: window w trains on the head s windows back, from there plus the
+        # trainer's own pseudo-gradient of the window in between (as trainer_runner does)
+        built_on = older[0] if args.staleness and older else base
+        for workload in trainers:  # the manifest's inner schedule, as trainer_runner sets it
+            workload.set_lr_scale(manifest.inner_optimizer.lr_scale(base.window))
         for t, (workload, who) in enumerate(zip(trainers, identities, strict=True)):
             lease = leases.lease(base.window, who.peer_id)
             indices = lease_indices(manifest.dataset, lease)
             window_indices.append(indices)
+            start = _start_weights(built_on, base, own[t])
             started = time.perf_counter()
             result = workload.train_window(
-                base.weights, indices, steps=args.inner_steps, seed=seed_of(w, t)
+                start, indices, steps=args.inner_steps, seed=seed_of(w, t)
             )
             train_s += time.perf_counter() - started
-            delta = {name: base.weights[name] - result.weights[name] for name in genesis}
+            delta = {name: start[name] - result.weights[name] for name in genesis}
+            own[t] = delta
             blob = encoders[t].encode(delta)
             update_bytes += len(blob)
             update = Update(
                 experiment_id=leases.experiment_id,
                 window=base.window,
-                base_head=base.head_id,
+                base_head=built_on.head_id,
                 trainer=who.public_key,
                 lease_shards=lease.shards,
                 lease_samples=lease.samples,
@@ -155,9 +212,11 @@ def simulate(args: argparse.Namespace) -> Figures:
             )
             cohort.append(Submission(update=update, update_id=update.id, blob=blob))
         windows.append(window_indices)
-        reduction = reduce_window(manifest, base, cohort, leases)
+        bases = {base.head_id, built_on.head_id}
+        reduction = reduce_window(manifest, base, cohort, leases, bases)
         if reduction.head is None or reduction.weights is None or reduction.head_id is None:
             raise SystemExit(f"window {base.window} produced no head: {reduction.reason}")
+        older = [base][: args.staleness]
         base = BaseState(
             head=reduction.head,
             head_id=reduction.head_id,
@@ -172,12 +231,9 @@ def simulate(args: argparse.Namespace) -> Figures:
                 flush=True,
             )
     diloco_val = val_per_window[-1]
-    started = time.perf_counter()
-    ddp_val = ddp_equivalent(trainers[0], windows, steps=args.inner_steps, seed_of=seed_of)
-    ddp_s = time.perf_counter() - started
+    ddp_val, ddp_s = _replay_ddp(args, trainers[0], manifest, windows)
     parameters = sum(t.numel() for t in genesis.values())
     ddp_bytes = ddp_bytes_per_worker(parameters, args.windows * args.inner_steps, args.trainers)
-    per_trainer_bytes = update_bytes // args.trainers
     return Figures(
         diloco_val=diloco_val,
         ddp_val=ddp_val,
@@ -186,9 +242,9 @@ def simulate(args: argparse.Namespace) -> Figures:
         diloco_train_s=train_s,
         ddp_train_s=ddp_s,
         s_per_inner_step=train_s / (args.trainers * args.windows * args.inner_steps),
-        update_bytes=per_trainer_bytes,
+        update_bytes=update_bytes // args.trainers,
         ddp_bytes=ddp_bytes,
-        bytes_ratio=ddp_bytes / per_trainer_bytes,
+        bytes_ratio=ddp_bytes * args.trainers / update_bytes,
         parameters=parameters,
         val_per_window=val_per_window,
     )
@@ -213,7 +269,26 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         "--seed", type=int, default=None, help="model seed; also reshuffles the leases"
     )
     parser.add_argument("--codec", default="int8")
+    parser.add_argument("--codec-config", default="{}", help="the codec's config, as JSON")
+    parser.add_argument("--staleness", type=int, default=0, choices=(0, 1))
+    parser.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=float(DEMO_DEFAULTS["min_lr_ratio"]),
+        help="the inner lr decays along a cosine to this fraction over the run",
+    )
+    parser.add_argument(
+        "--constant-lr",
+        dest="min_lr_ratio",
+        action="store_const",
+        const=None,
+        help="keep the inner lr constant",
+    )
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP replay")
     parser.add_argument("--rule", default="trimmed_mean")
+    parser.add_argument(
+        "--aggregate-precision", default=DEMO_AGGREGATE_PRECISION, choices=("fp32", "int8")
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every window")

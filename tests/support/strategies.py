@@ -11,6 +11,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import (
     AGGREGATION_RULES,
     INNER_OPTIMIZERS,
+    INNER_SCHEDULES,
     UPDATE_CODECS,
     AggregationSpec,
     CodecSpec,
@@ -117,6 +118,10 @@ def experiment_manifests(draw: st.DrawFn, authority: bytes | None = None) -> Exp
             name=draw(st.sampled_from(INNER_OPTIMIZERS)),
             lr=draw(st.floats(1e-6, 1.0)),
             config=draw(configs),
+            schedule=draw(st.sampled_from(INNER_SCHEDULES)),
+            warmup_windows=draw(st.integers(0, 100)),
+            decay_windows=draw(st.integers(1, 10_000)),
+            min_lr_ratio=draw(st.floats(0.0, 1.0)),
         ),
         inner_steps=draw(st.integers(1, 1000)),
         outer_optimizer=outer,

@@ -10,7 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.aggregate.aggregate_blob import decode_aggregate, encode_aggregate
+from p2ptrain.aggregate.aggregate_blob import (
+    decode_aggregate,
+    encode_aggregate,
+    settle_aggregate,
+)
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
 from p2ptrain.errors import ProtocolViolation
 
@@ -131,3 +135,60 @@ def test_dense_where_sparse_is_canonical_and_the_reverse_are_refused() -> None:
     with pytest.raises(ProtocolViolation, match="dense is canonical"):
         decode_aggregate(sparse_blob, schema_of(full), max_bytes=LIMIT)
     assert math.isclose(float(_round_trip(full)["w"].sum()), 8.0)
+
+
+# ------------------------------------------------------------------ int8 precision
+
+
+def test_int8_settles_to_the_rounded_values_it_stores_in_a_quarter_of_the_bytes() -> None:
+    generator = torch.Generator().manual_seed(11)
+    tensors = {
+        "w": torch.randn(300, 257, generator=generator),  # blocks straddle rows
+        "b": torch.randn(7, generator=generator) * 1e-30,  # tiny, subnormal scales
+        "z": torch.zeros(3),
+    }
+    rounded, blob = settle_aggregate(tensors, "int8")
+    exact, fp32_blob = settle_aggregate(tensors, "fp32")
+    assert all(_same_bits(exact[n], tensors[n]) for n in tensors)
+    assert len(blob) < 0.27 * len(fp32_blob)
+    back = decode_aggregate(blob, schema_of(tensors), max_bytes=LIMIT, precision="int8")
+    assert all(_same_bits(rounded[n], back[n]) for n in tensors)
+    # by hand: one block of 256, its absmax over 127, codes rounded to nearest
+    flat = tensors["w"].reshape(-1)[:256]
+    scale = flat.abs().max() / 127
+    codes = (flat / scale).round().clamp(-127, 127)
+    assert torch.equal(rounded["w"].reshape(-1)[:256], codes * scale)
+    assert float((rounded["w"] - tensors["w"]).abs().max()) <= float(
+        tensors["w"].abs().max() / 127 / 2 * 1.0001
+    )
+    assert torch.equal(rounded["z"], torch.zeros(3))
+    again = settle_aggregate({n: t.clone() for n, t in tensors.items()}, "int8")[1]
+    assert again == blob
+
+
+def test_an_int8_aggregate_refuses_other_forms() -> None:
+    tensors = {"w": torch.randn(600)}
+    schema = schema_of(tensors)
+    _, blob = settle_aggregate(tensors, "int8")
+    with pytest.raises(ProtocolViolation, match="lacks the codes or scales"):
+        decode_aggregate(encode_aggregate(tensors), schema, max_bytes=LIMIT, precision="int8")
+    with pytest.raises(ProtocolViolation, match="lacks parameter"):
+        decode_aggregate(blob, schema, max_bytes=LIMIT)  # read as fp32
+    parts = decode_state_dict(blob, max_bytes=LIMIT)
+    bad_code = dict(parts)
+    bad_code["w/q"] = parts["w/q"].clone()
+    bad_code["w/q"][5] = -128
+    with pytest.raises(ProtocolViolation, match="-128"):
+        decode_aggregate(
+            bytes(encode_state_dict(bad_code)), schema, max_bytes=LIMIT, precision="int8"
+        )
+    short = dict(parts)
+    short["w/scale"] = parts["w/scale"][:1]
+    with pytest.raises(ProtocolViolation, match="wrong dtypes or shapes"):
+        decode_aggregate(bytes(encode_state_dict(short)), schema, max_bytes=LIMIT, precision="int8")
+    negative = dict(parts)
+    negative["w/scale"] = -parts["w/scale"]
+    with pytest.raises(ProtocolViolation, match="finite and >= 0"):
+        decode_aggregate(
+            bytes(encode_state_dict(negative)), schema, max_bytes=LIMIT, precision="int8"
+        )

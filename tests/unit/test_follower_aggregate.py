@@ -4,11 +4,13 @@ otherwise (or when nobody serves the aggregate) fetches the full state."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import seal
+from p2ptrain.core.manifests import AggregationSpec, ExperimentManifest
 from p2ptrain.core.records import Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
@@ -25,22 +27,22 @@ WORKLOAD = SyntheticWorkload(seed=5)
 MANIFEST = synthetic_experiment(WORKLOAD, VALIDATOR.public_key, max_updates=4)
 
 
-def _reduce(base: BaseState) -> Reduction:
+def _reduce(base: BaseState, manifest: ExperimentManifest = MANIFEST) -> Reduction:
     """Two trainers' honest updates of the window on ``base``, reduced."""
     cohort = []
     for n in (30, 31):
         trainer = identity(n)
-        lease = lease_for(MANIFEST, base.window, trainer.peer_id)
+        lease = lease_for(manifest, base.window, trainer.peer_id)
         delta, _, _ = WORKLOAD.train(base.weights, lease, n, base.window)
-        blob = make_encoder(MANIFEST.codec, schema_of(base.weights)).encode(delta)
-        update = Update(experiment_id=MANIFEST.id, window=base.window, base_head=base.head_id,
+        blob = make_encoder(manifest.codec, schema_of(base.weights)).encode(delta)
+        update = Update(experiment_id=manifest.id, window=base.window, base_head=base.head_id,
                         trainer=trainer.public_key, lease_shards=lease.shards,
                         lease_samples=lease.samples, delta_blob=sha256_hex(blob),
-                        delta_bytes=len(blob), codec=MANIFEST.codec.name, loss_before=1.0,
+                        delta_bytes=len(blob), codec=manifest.codec.name, loss_before=1.0,
                         loss_after=0.5)  # fmt: skip
         signed = seal(trainer, update)
         cohort.append(Submission(update, signed.record_id, blob))
-    reduction = reduce_window(MANIFEST, base, cohort, LeaseBook(MANIFEST))
+    reduction = reduce_window(manifest, base, cohort, LeaseBook(manifest))
     assert reduction.head is not None and reduction.aggregate_blob is not None
     return reduction
 
@@ -130,3 +132,20 @@ def test_a_follower_behind_by_a_few_heads_follows_them_link_by_link() -> None:
     (last,) = follower.receive_aggregate(1.0, two.head_id, two.aggregate_blob)
     assert isinstance(last, act.Adopted) and follower.base.head_id == two.head_id
     assert follower.statistics().aggregates_applied == 2
+
+
+def test_an_int8_aggregate_steps_every_machine_to_the_certified_weights() -> None:
+    manifest = msgspec.structs.replace(MANIFEST, aggregation=AggregationSpec(precision="int8"))
+    follower = Follower(manifest, identity(7), WORKLOAD.genesis())
+    exact = _reduce(follower.base)  # the same cohort at float32 precision
+    reduction = _reduce(follower.base, manifest)
+    assert reduction.aggregate_blob is not None and exact.aggregate_blob is not None
+    assert len(reduction.aggregate_blob) < len(exact.aggregate_blob)
+    assert reduction.weights is not None and exact.weights is not None
+    assert not torch.equal(reduction.weights["w"], exact.weights["w"])  # it was rounded
+    (fetch,) = _certified(follower, reduction)
+    assert isinstance(fetch, act.FetchAggregate)
+    actions = follower.receive_aggregate(1.0, fetch.head_id, reduction.aggregate_blob)
+    assert isinstance(actions[0], act.Adopted)
+    assert torch.equal(follower.base.weights["w"], reduction.weights["w"])
+    assert follower.statistics().aggregate_mismatches == 0

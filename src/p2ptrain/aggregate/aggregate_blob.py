@@ -20,6 +20,19 @@ must see the same bits). The sparse form is used exactly when ``6 * nnz + 4 * ch
 4 * numel``. Encoding is a pure function of the tensors' bits, so every reducer and validator
 that computed the same aggregate writes the same bytes and the same hash; decoding checks
 everything and gives the tensors back bit for bit.
+
+With ``aggregation.precision = "int8"`` in the manifest, the aggregate is rounded before
+the outer step: each tensor is cut into blocks of :data:`INT8_BLOCK` flattened values, each
+block quantised against its absolute maximum exactly as the ``int8`` update codec does
+(IEEE float32 division, round half to even, ±127), and the outer step applies the rounded
+values ``q * scale``. The blob then holds, for every tensor,
+
+``<name>/q``        int8, the tensor's shape: the codes (never -128);
+``<name>/scale``    float32, ``(ceil(numel / 256),)``: finite, ``>= 0``;
+
+a quarter of the float32 bytes, and every machine rounds the same aggregate to the same
+codes, so the head still binds one blob and a follower's outer step of its decoded values
+reproduces the certified weights bit for bit.
 """
 
 from __future__ import annotations
@@ -30,12 +43,22 @@ from typing import Final
 
 import torch
 
+from p2ptrain.aggregate.codec_dense import Int8Codec
 from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict
 from p2ptrain.errors import ProtocolViolation
 
-__all__ = ["AGGREGATE_FORMAT", "decode_aggregate", "encode_aggregate"]
+__all__ = [
+    "AGGREGATE_FORMAT",
+    "INT8_BLOCK",
+    "decode_aggregate",
+    "encode_aggregate",
+    "settle_aggregate",
+]
 
 AGGREGATE_FORMAT: Final = "p2ptrain-aggregate/1"
+#: Values per scale of an int8-rounded aggregate.
+INT8_BLOCK: Final = 256
+_INT8: Final = Int8Codec(block_size=INT8_BLOCK)
 _TAG: Final = "__aggregate__"
 _CHUNK: Final = 1 << 16
 _OFFSET_BIAS: Final = 1 << 15
@@ -67,18 +90,47 @@ def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return bytes(encode_state_dict(container))
 
 
+def settle_aggregate(
+    tensors: Mapping[str, torch.Tensor], precision: str = "fp32"
+) -> tuple[dict[str, torch.Tensor], bytes]:
+    """(what the outer step applies, the canonical blob) of an aggregate at the manifest's
+    ``aggregation.precision``: the tensors themselves and :func:`encode_aggregate`'s bytes
+    (``fp32``), or their int8 rounding and its codes (``int8``, see the module docstring)."""
+    if precision == "fp32":
+        return dict(tensors), encode_aggregate(tensors)
+    if precision != "int8":
+        raise ValueError(f"unknown aggregate precision {precision!r}")
+    container: dict[str, torch.Tensor] = {
+        _TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)
+    }
+    rounded: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        spec = TensorSpec(name, tuple(tensor.shape), "float32")
+        parts = _INT8.encoder(spec, 0)(tensor.detach())
+        rounded[name] = _INT8.decode(spec, parts)
+        container[f"{name}/q"] = parts["q"]
+        container[f"{name}/scale"] = parts["scale"]
+    return rounded, bytes(encode_state_dict(container))
+
+
 def decode_aggregate(
-    blob: bytes | bytearray, schema: Iterable[TensorSpec], *, max_bytes: int
+    blob: bytes | bytearray,
+    schema: Iterable[TensorSpec],
+    *,
+    max_bytes: int,
+    precision: str = "fp32",
 ) -> dict[str, torch.Tensor]:
-    """The aggregate's float32 tensors, one per ``schema`` entry. Raises
-    :class:`ProtocolViolation` for any bytes :func:`encode_aggregate` would not write."""
+    """The aggregate's float32 tensors, one per ``schema`` entry, as the outer step applied
+    them. Raises :class:`ProtocolViolation` for any bytes :func:`settle_aggregate` would not
+    write at ``precision``."""
     parts = decode_state_dict(blob, max_bytes=max_bytes)
     tag = parts.pop(_TAG, None)
     if tag is None or bytes(tag.tolist()) != AGGREGATE_FORMAT.encode():
         raise ProtocolViolation(f"not a {AGGREGATE_FORMAT} blob (its format tag is missing)")
+    decode_one = _decode_int8 if precision == "int8" else _decode_one
     out: dict[str, torch.Tensor] = {}
     for spec in schema:
-        out[spec.name] = _decode_one(spec, parts)
+        out[spec.name] = decode_one(spec, parts)
     if parts:
         raise ProtocolViolation(f"aggregate holds parts of no parameter: {sorted(parts)[:3]}")
     return out
@@ -122,3 +174,19 @@ def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tenso
     flat = torch.zeros(numel, dtype=torch.float32)
     flat.index_copy_(0, positions, values)
     return flat.reshape(spec.shape)
+
+
+def _decode_int8(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    name = spec.name
+    q, scale = parts.pop(f"{name}/q", None), parts.pop(f"{name}/scale", None)
+    if q is None or scale is None:
+        raise ProtocolViolation(f"int8 aggregate lacks the codes or scales of {name!r}")
+    blocks = -(-math.prod(spec.shape) // INT8_BLOCK)
+    if (
+        q.dtype != torch.int8
+        or tuple(q.shape) != spec.shape
+        or scale.dtype != torch.float32
+        or tuple(scale.shape) != (blocks,)
+    ):
+        raise ProtocolViolation(f"int8 aggregate {name!r}: parts have the wrong dtypes or shapes")
+    return _INT8.decode(spec, {"q": q, "scale": scale})

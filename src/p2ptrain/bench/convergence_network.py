@@ -1,10 +1,13 @@
 """Our network on the convergence bench's task: the demo's network as real processes.
 
 A seed, a reducer, 3 validators (any 2 certify) and ``task.workers`` trainers run DiLoCo with
-the demo's settings (int8 updates, the default robust rule, outer Nesterov lr 1.0 momentum
-0.5, the workload's inner AdamW) for ``task.windows`` windows of ``task.inner_steps`` steps,
-each node in its host's network namespace when the placement is a lab (serving on its lab
-address; trainers, as in the demo, serve nothing and push their updates), else on loopback.
+the demo's settings for ``task.windows`` windows of ``task.inner_steps`` steps: int8 updates,
+the default robust rule, each window's aggregate rounded to int8 (what trainers download),
+outer Nesterov lr 1.0 momentum 0.5, and the workload's inner AdamW at a rate that decays
+along a cosine to a tenth over the run, as the DiLoCo recipe's inner schedule does (the DDP
+ranks keep the workload's constant rate). Each node runs in its host's network namespace
+when the placement is a lab (serving on its lab address; trainers, as in the demo, serve
+nothing and push their updates), else on loopback.
 
 :func:`run_network` returns when each head was certified (the seed adopting it, on the
 bench's clock), each trainer's ``trained`` events (its compute utilisation) and, after every
@@ -23,7 +26,11 @@ from p2ptrain.bench.convergence_task import Placement, Task
 from p2ptrain.errors import LocalError
 from p2ptrain.node.events import Exited, HeadAdopted, RoleFailure, Trained
 from p2ptrain.node.local_network import LocalNetwork, experiment_toml
-from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+from p2ptrain.torch.char_gpt import (
+    DEMO_AGGREGATE_PRECISION,
+    DEMO_DEFAULTS,
+    demo_inner_schedule,
+)
 
 __all__ = ["NETWORK_NODES", "NetworkRun", "network_hosts", "run_network"]
 
@@ -80,6 +87,8 @@ def run_network(
         outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
         outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
         inner_lr=task.lr,
+        inner_schedule=demo_inner_schedule(task.windows),
+        aggregate_precision=DEMO_AGGREGATE_PRECISION,
         study="bench",
         name="convergence",
         staleness=task.staleness,

@@ -170,7 +170,11 @@ def _run(
     started: float,
 ) -> int:
     from p2ptrain.cli.demo_experiment import demo_toml
-    from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+    from p2ptrain.torch.char_gpt import (
+        DEMO_AGGREGATE_PRECISION,
+        DEMO_DEFAULTS,
+        demo_inner_schedule,
+    )
     from p2ptrain.torch.registry import is_reference, reference_name
 
     validators = [network.identity(f"validator-{i}") for i in range(3)]
@@ -179,12 +183,17 @@ def _run(
         "study": "demo",
         "name": "shakespeare" if experiment.built_in_char_gpt else reference_name(experiment.code),
         "inner_steps": args.inner_steps,
-        "inner_optimizer": {"name": "adamw", "lr": float(experiment.config.get("lr", 1e-3))},
+        "inner_optimizer": {
+            "name": "adamw",
+            "lr": float(experiment.config.get("lr", 1e-3)),
+            **demo_inner_schedule(args.windows),
+        },
         "outer_optimizer": {
             "name": "nesterov",
             "lr": float(DEMO_DEFAULTS["outer_lr"]),
             "momentum": float(DEMO_DEFAULTS["outer_momentum"]),
         },
+        "aggregation": {"precision": DEMO_AGGREGATE_PRECISION},
         "window": {
             "deadline_s": deadline_s,
             "proposal_s": 10.0,
@@ -405,6 +414,7 @@ def _summarise(
             windows,
             steps=manifest.inner_steps,
             seed_of=lambda w, t: window_seed(peer_ids[t], w + 1),
+            lr_scale=manifest.inner_optimizer.lr_scale,
         )
         summary["baseline_val_loss"] = round(baseline, 4)
         summary["val_loss_ratio"] = round(val_loss / baseline, 4)

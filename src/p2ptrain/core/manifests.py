@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 
 import msgspec
 
@@ -16,12 +17,14 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 ADMISSION_POLICIES = ("open", "certificate")
 TRAINING_PROTOCOLS = ("diloco", "fedavg")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
+#: How the inner learning rate changes from window to window (``InnerOptimizerSpec``).
+INNER_SCHEDULES = ("constant", "cosine")
 #: How trainers get a lease's samples (docs/data.md): ``indexed`` -- from a map-style dataset
 #: every trainer holds; ``sharded`` -- from prepared shard files fetched from peers by hash;
 #: ``generated`` -- made from the lease, no data moves; ``custom`` -- a user callback.
@@ -35,6 +38,10 @@ AGGREGATION_RULES = (
     "centered_clip",
     "geometric_median",
 )
+
+#: How a window's aggregate is rounded before the outer step and stored for followers:
+#: ``fp32`` -- not at all; ``int8`` -- blockwise int8, a quarter of the bytes to download.
+AGGREGATE_PRECISIONS = ("fp32", "int8")
 
 MAX_CONFIG_ENTRIES = 64
 MAX_STALENESS = 4
@@ -188,16 +195,54 @@ class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class InnerOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The trainer-local optimizer (its state stays on the trainer across windows)."""
+    """The trainer-local optimizer (its state stays on the trainer across windows), and the
+    schedule of its learning rate over the run.
+
+    The schedule scales every parameter group's learning rate (as the workload built it) by
+    :meth:`lr_scale` of the window being trained, so every trainer of a window trains at
+    the same rate: ``warmup_windows`` windows rising linearly to 1, then ``constant`` (1
+    from there on) or ``cosine`` (from 1 down to ``min_lr_ratio`` over ``decay_windows``
+    windows, then ``min_lr_ratio``; the DiLoCo recipe's inner schedule).
+    """
 
     name: str = "adamw"
     lr: float = 1e-3
     config: Config = {}
+    schedule: str = "constant"
+    warmup_windows: int = 0
+    decay_windows: int = 0
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         rules.check_choice("inner_optimizer.name", self.name, INNER_OPTIMIZERS)
         rules.check_float("inner_optimizer.lr", self.lr, 0.0, 10.0)
         check_config("inner_optimizer.config", self.config)
+        rules.check_choice("inner_optimizer.schedule", self.schedule, INNER_SCHEDULES)
+        rules.check_int("inner_optimizer.warmup_windows", self.warmup_windows, 0, 1_000_000)
+        rules.check_int("inner_optimizer.decay_windows", self.decay_windows, 0, 1_000_000)
+        rules.check_float("inner_optimizer.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.schedule == "cosine" and self.decay_windows < 1:
+            raise InvalidRecord(
+                "inner_optimizer.decay_windows",
+                "must be at least 1 for the cosine schedule: set it to the windows the run "
+                "is planned to last",
+            )
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the learning rate changes from window to window."""
+        return self.schedule != "constant" or self.warmup_windows > 0
+
+    def lr_scale(self, window: int) -> float:
+        """The factor on the inner learning rate while window ``window`` (1 = the first)
+        trains."""
+        if window <= self.warmup_windows:
+            return window / self.warmup_windows
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (window - self.warmup_windows - 1) / self.decay_windows)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
 
 class OuterOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -249,14 +294,17 @@ class CodecSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class AggregationSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The robust aggregation rule and its parameters."""
+    """The robust aggregation rule and its parameters, and the precision of the aggregate
+    the outer step applies (and followers download)."""
 
     rule: str = "trimmed_mean"
     config: Config = {}
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         rules.check_choice("aggregation.rule", self.rule, AGGREGATION_RULES)
         check_config("aggregation.config", self.config)
+        rules.check_choice("aggregation.precision", self.precision, AGGREGATE_PRECISIONS)
 
 
 class ScreeningSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

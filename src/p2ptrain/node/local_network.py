@@ -92,13 +92,18 @@ def experiment_toml(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     inner_lr: float = 1e-3,
+    inner_schedule: Mapping[str, Any] | None = None,
+    aggregate_precision: str = "fp32",
     study: str = "demo",
     name: str = "shakespeare",
     staleness: int = 0,
 ) -> str:
     """An experiment definition for a registered workload (the seed fills in the dataset,
-    schema hash, genesis weights and lease size)."""
+    schema hash, genesis weights and lease size). ``inner_schedule``: the inner learning
+    rate's schedule keys of ``[inner_optimizer]`` (``schedule``, ``decay_windows``, ...);
+    ``aggregate_precision``: ``aggregation.precision``."""
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in workload["config"].items())
+    schedule = [f"{k} = {json.dumps(v)}" for k, v in (inner_schedule or {}).items()]
     lines = [
         f'study = "{study}"',
         f'name = "{name}"',
@@ -114,6 +119,7 @@ def experiment_toml(
         "[inner_optimizer]",
         'name = "adamw"',
         f"lr = {inner_lr!r}",
+        *schedule,
         "",
         "[outer_optimizer]",
         'name = "nesterov"',
@@ -126,6 +132,9 @@ def experiment_toml(
         f"min_updates = {min_updates}",
         f"max_updates = {max_updates}",
         f"staleness = {staleness}",
+        "",
+        "[aggregation]",
+        f'precision = "{aggregate_precision}"',
         "",
     ]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ import torch
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed
-from p2ptrain.core.manifests import ShardInfo
+from p2ptrain.core.manifests import InnerOptimizerSpec, ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
@@ -51,7 +51,7 @@ from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["TRAIN_STEP", "TrainerRunner", "window_seed"]
+__all__ = ["TRAIN_STEP", "TrainerRunner", "inner_lr_scaler", "window_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,22 @@ def window_seed(peer_id: str, window: int) -> int:
     the same minibatches with it)."""
     digest = hashlib.sha256(f"p2ptrain/v1/batches\0{peer_id}\0{window}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def inner_lr_scaler(workload: Workload, spec: InnerOptimizerSpec) -> Callable[[float], None] | None:
+    """How this trainer follows the manifest's inner schedule (None: the rate never
+    changes), or :class:`LocalError` when the workload cannot change its rate."""
+    if not spec.scheduled:
+        return None
+    scale: Callable[[float], None] | None = getattr(workload, "set_lr_scale", None)
+    if not callable(scale):
+        raise LocalError(
+            f"the experiment schedules the inner learning rate ({spec.schedule}, "
+            f"{spec.warmup_windows} warm-up windows), but the workload "
+            f"{type(workload).__name__} has no set_lr_scale(scale); build it as a "
+            "p2ptrain.TorchWorkload or give it that method"
+        )
+    return scale
 
 
 class TrainerRunner(RoleRunner):
@@ -90,6 +106,7 @@ class TrainerRunner(RoleRunner):
         self.shards = shards
         self.manifest = machine.manifest
         self.peer_id = services.peer_id
+        self._lr_scale = inner_lr_scaler(workload, self.manifest.inner_optimizer)
         genesis = machine.base.weights
         self._encoder = make_encoder(
             self.manifest.codec, schema_of(genesis), seed=window_seed(self.peer_id, 0)
@@ -245,6 +262,8 @@ class TrainerRunner(RoleRunner):
         for blob in requeue:  # here, in the thread that encodes: never during an encode
             self._encoder.requeue_unaccepted(blob)
         ahead = self.manifest.window.staleness > 0
+        if self._lr_scale is not None:
+            self._lr_scale(self.manifest.inner_optimizer.lr_scale(action.window))
         update = train_update(
             self.workload,
             self._encoder,

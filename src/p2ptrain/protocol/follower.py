@@ -168,7 +168,10 @@ class Follower:
             return [FetchState(None, tip.head, tip.head_id)]
         try:
             pseudo_gradient = decode_aggregate(
-                aggregate_blob, self._schema, max_bytes=MAX_STATE_BYTES
+                aggregate_blob,
+                self._schema,
+                max_bytes=MAX_STATE_BYTES,
+                precision=self.manifest.aggregation.precision,
             )
         except ProtocolViolation as error:
             return [

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2ptrain.aggregate.aggregate_blob import encode_aggregate
+from p2ptrain.aggregate.aggregate_blob import settle_aggregate
 from p2ptrain.aggregate.codecs import decode_update, max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
@@ -232,8 +232,9 @@ def reduce_window(
     result = make_rule(manifest.aggregation).aggregate(outcome.contributions, outcome.failures)
     if result.aggregate is None:
         return without_head(f"aggregation produced nothing: {result.reason}")
-    pseudo_gradient = unflatten(result.aggregate, base.weights)
-    aggregate_blob = encode_aggregate(pseudo_gradient)
+    pseudo_gradient, aggregate_blob = settle_aggregate(
+        unflatten(result.aggregate, base.weights), manifest.aggregation.precision
+    )
     step = outer_step(manifest, base, pseudo_gradient)
     standings = next_standings(
         base.head.quarantine,

@@ -26,7 +26,9 @@ __all__ = ["ddp_bytes_per_worker", "ddp_equivalent"]
 
 def _fresh_copy(workload: TorchWorkload) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A copy of the workload's model at its genesis weights, and a new optimizer of the
-    same type and hyper-parameters on it (no state): the workload is left untouched."""
+    same type and hyper-parameters on it (no state; each group at the rate the workload's
+    optimizer was built with, whatever schedule it follows now): the workload is left
+    untouched."""
     model = copy.deepcopy(workload.model)
     by_name = dict(model.named_parameters())
     name_of = {id(param): name for name, param in workload.model.named_parameters()}
@@ -34,9 +36,9 @@ def _fresh_copy(workload: TorchWorkload) -> tuple[torch.nn.Module, torch.optim.O
         for name, value in workload.initial_weights().items():
             by_name[name].copy_(value)
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"},
+        {**{k: v for k, v in group.items() if k != "params"}, "lr": lr,
          "params": [by_name[name_of[id(p)]] for p in group["params"]]}
-        for group in workload.optimizer.param_groups
+        for group, lr in zip(workload.optimizer.param_groups, workload.base_lrs, strict=True)
     ]  # fmt: skip
     optimizer_type: Callable[..., torch.optim.Optimizer] = type(workload.optimizer)
     optimizer = optimizer_type(groups)
@@ -49,19 +51,27 @@ def ddp_equivalent(
     *,
     steps: int,
     seed_of: Callable[[int, int], int],
+    lr_scale: Callable[[int], float] | None = None,
 ) -> float:
     """The validation loss DDP reaches on the run's samples.
 
     ``windows[w][t]`` are trainer ``t``'s lease indices in window ``w`` (``w`` counts from
     0 here; ``seed_of(w, t)`` is the seed that trainer used). Starts from the genesis
     weights with a fresh optimizer; clips the global gradient like ``train_window``.
+    ``lr_scale(window)`` (windows counted from 1, as the manifest's inner schedule counts
+    them) scales the learning rate as the trainers' did in that window.
     """
     if not windows or any(not trainers for trainers in windows):
         raise LocalError("ddp_equivalent needs at least one window with at least one trainer")
     model, optimizer = _fresh_copy(workload)
     model.train()
     batch_size = workload.batch_size
+    base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
     for w, trainers in enumerate(windows):
+        if lr_scale is not None:
+            scale = lr_scale(w + 1)
+            for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = base * scale
         plans = [
             minibatch_plan(indices, steps=steps, batch_size=batch_size, seed=seed_of(w, t))
             for t, indices in enumerate(trainers)

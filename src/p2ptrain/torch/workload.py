@@ -33,6 +33,7 @@ datasets. The things that make DiLoCo work, and that tests pin down:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -233,6 +234,8 @@ class TorchWorkload:
         self._params = parameter_names(model)
         self._tied = tied_parameters(model)
         self._check_optimizer()
+        #: Each parameter group's learning rate as built: what set_lr_scale multiplies.
+        self._base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._initial = snapshot(self._params)
         eval_size = eval_batch_size or batch_size
         count = min(len(val_dataset), val_batches * eval_size)
@@ -427,6 +430,20 @@ class TorchWorkload:
             total += value * len(batch_indices)
             count += len(batch_indices)
         return total / count
+
+    @property
+    def base_lrs(self) -> tuple[float, ...]:
+        """Each parameter group's learning rate as the optimizer was built (before any
+        :meth:`set_lr_scale`)."""
+        return tuple(self._base_lrs)
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Train at ``scale`` times every parameter group's learning rate as the optimizer
+        was built (the manifest's inner schedule, set before each window)."""
+        if not math.isfinite(scale) or scale < 0:
+            raise LocalError(f"the learning-rate scale must be finite and >= 0, got {scale}")
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * scale
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """``f"{parameter}/{key}"`` for every per-parameter state entry (numbers, such as
