@@ -2,8 +2,8 @@
 
 Each window, every one of T trainers trains ``inner_steps`` inner steps from the canonical
 weights on its real lease (``lease_for`` on a real ``ExperimentManifest``, ``lease_indices``),
-encodes its pseudo-gradient ``theta_base - theta_local`` with the experiment's codec (int8 by
-default), and publishes an Update; the window is then reduced by
+encodes its pseudo-gradient ``theta_base - theta_local`` with the experiment's codec (the
+demo's by default), and publishes an Update; the window is then reduced by
 ``p2ptrain.protocol.reduction.reduce_window`` itself -- the same admission, screening,
 aggregation rule (trimmed mean by default) and outer Nesterov step a reducer runs. Only
 networking and signatures are left out. The inner learning rate follows the manifest's
@@ -38,6 +38,7 @@ from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import (
+    AGGREGATE_PRECISIONS,
     AggregationSpec,
     CodecSpec,
     ExperimentManifest,
@@ -56,6 +57,7 @@ from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
 from p2ptrain.torch.char_gpt import (
     DEFAULT_CONFIG,
     DEMO_AGGREGATE_PRECISION,
+    DEMO_CODEC,
     DEMO_DEFAULTS,
     char_gpt_workload,
 )
@@ -268,7 +270,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=None, help="model seed; also reshuffles the leases"
     )
-    parser.add_argument("--codec", default="int8")
+    parser.add_argument("--codec", default=DEMO_CODEC)
     parser.add_argument("--codec-config", default="{}", help="the codec's config, as JSON")
     parser.add_argument("--staleness", type=int, default=0, choices=(0, 1))
     parser.add_argument(
@@ -287,7 +289,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP replay")
     parser.add_argument("--rule", default="trimmed_mean")
     parser.add_argument(
-        "--aggregate-precision", default=DEMO_AGGREGATE_PRECISION, choices=("fp32", "int8")
+        "--aggregate-precision", default=DEMO_AGGREGATE_PRECISION, choices=AGGREGATE_PRECISIONS
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the figures to this file")

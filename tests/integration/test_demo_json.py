@@ -24,11 +24,12 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
     weights_bytes = 4 * summary["parameters"]
     sent, received = summary["bytes_per_trainer_sent"], summary["bytes_per_trainer_received"]
     assert summary["bytes_measured"] == "tcp"
-    # each trainer uploaded two int8 updates (a quarter of the fp32 weights, each) ...
-    assert sent > 2 * weights_bytes // 4
-    # ... and downloaded the genesis weights, then each head's aggregate (dense fp32 for a
-    # dense codec), never a head's weights and momentum
-    assert 2 * weights_bytes < received < 6 * weights_bytes
+    # each trainer uploaded two int4 updates (an eighth of the fp32 weights, each) ...
+    assert sent > 2 * weights_bytes // 8
+    # ... and downloaded the genesis weights, then each head's aggregate rounded to 4 bits
+    # (an eighth of the weights: the demo's aggregation.precision), never a head's weights
+    # and momentum (2x the weights a head) nor a float32 aggregate (1x a head)
+    assert weights_bytes < received < 2 * weights_bytes
     assert summary["bytes_per_trainer"] == sent + received
     assert summary["ddp_bytes_formula"].startswith("ring all-reduce")
     assert 0 < summary["compute_utilisation"] <= 1

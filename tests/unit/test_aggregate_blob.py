@@ -140,6 +140,15 @@ def test_dense_where_sparse_is_canonical_and_the_reverse_are_refused() -> None:
 # ------------------------------------------------------------------ int8 precision
 
 
+def _block_scale(block: torch.Tensor, levels: int) -> torch.Tensor:
+    """absmax / levels in float32, one ulp up where that fell below (codec_dense's rule)."""
+    absmax = block.abs().max()
+    scale = absmax / levels
+    if float(scale.double() * levels) < float(absmax.double()):
+        scale = torch.nextafter(scale, torch.tensor(math.inf))
+    return scale
+
+
 def test_int8_settles_to_the_rounded_values_it_stores_in_a_quarter_of_the_bytes() -> None:
     generator = torch.Generator().manual_seed(11)
     tensors = {
@@ -155,7 +164,7 @@ def test_int8_settles_to_the_rounded_values_it_stores_in_a_quarter_of_the_bytes(
     assert all(_same_bits(rounded[n], back[n]) for n in tensors)
     # by hand: one block of 256, its absmax over 127, codes rounded to nearest
     flat = tensors["w"].reshape(-1)[:256]
-    scale = flat.abs().max() / 127
+    scale = _block_scale(flat, 127)
     codes = (flat / scale).round().clamp(-127, 127)
     assert torch.equal(rounded["w"].reshape(-1)[:256], codes * scale)
     assert float((rounded["w"] - tensors["w"]).abs().max()) <= float(
@@ -170,7 +179,7 @@ def test_an_int8_aggregate_refuses_other_forms() -> None:
     tensors = {"w": torch.randn(600)}
     schema = schema_of(tensors)
     _, blob = settle_aggregate(tensors, "int8")
-    with pytest.raises(ProtocolViolation, match="lacks the codes or scales"):
+    with pytest.raises(ProtocolViolation, match="lacks the 'q' part"):
         decode_aggregate(encode_aggregate(tensors), schema, max_bytes=LIMIT, precision="int8")
     with pytest.raises(ProtocolViolation, match="lacks parameter"):
         decode_aggregate(blob, schema, max_bytes=LIMIT)  # read as fp32
@@ -191,4 +200,28 @@ def test_an_int8_aggregate_refuses_other_forms() -> None:
     with pytest.raises(ProtocolViolation, match="finite and >= 0"):
         decode_aggregate(
             bytes(encode_state_dict(negative)), schema, max_bytes=LIMIT, precision="int8"
+        )
+
+
+@pytest.mark.parametrize(("precision", "levels", "share"), [("int4", 7, 0.14), ("int2", 1, 0.08)])
+def test_packed_precisions_round_like_their_codecs(
+    precision: str, levels: int, share: float
+) -> None:
+    generator = torch.Generator().manual_seed(12)
+    tensors = {"w": torch.randn(40, 33, generator=generator), "b": torch.zeros(5)}
+    rounded, blob = settle_aggregate(tensors, precision)
+    assert len(blob) < share * 4 * (40 * 33 + 5) + 400  # container framing aside
+    back = decode_aggregate(blob, schema_of(tensors), max_bytes=LIMIT, precision=precision)
+    assert all(_same_bits(rounded[n], back[n]) for n in tensors)
+    flat = tensors["w"].reshape(-1)[:256]  # by hand: the first block
+    scale = _block_scale(flat, levels)
+    codes = (flat / scale).round().clamp(-levels, levels)
+    assert torch.equal(rounded["w"].reshape(-1)[:256], codes * scale)
+    assert torch.equal(rounded["b"], torch.zeros(5))
+    with pytest.raises(ProtocolViolation, match="lacks the 'codes' part"):
+        decode_aggregate(
+            settle_aggregate(tensors, "int8")[1],
+            schema_of(tensors),
+            max_bytes=LIMIT,
+            precision=precision,
         )

@@ -96,7 +96,13 @@ def test_every_manifest_codec_is_implemented() -> None:
         assert codec_for(CodecSpec(name=name)).name == name
 
 
-LOSS = {"fp32": 0.0, "fp16": 1e-3, "bf16": 1e-2, "int8": 2e-2}  # relative L2 error bounds
+LOSS = {
+    "fp32": 0.0,
+    "fp16": 1e-3,
+    "bf16": 1e-2,
+    "int8": 2e-2,
+    "int4": 0.3,
+}  # relative L2 error bounds
 
 
 @pytest.mark.parametrize("name", UPDATE_CODECS)
@@ -157,6 +163,49 @@ def test_int8_hand_computed() -> None:
     scale = torch.nextafter(nearest, torch.tensor(1.0))
     tail = [float(torch.tensor(127.0) * scale), float(torch.tensor(-63.0) * scale)]
     assert decoded["w"].tolist() == [1.0, -2.0, 0.0, 127.0, 0.0, 0.0, 0.0, 0.0, *tail]
+
+
+def _scale(absmax: torch.Tensor, levels: int) -> torch.Tensor:
+    """absmax / levels in float32, one ulp up where that fell below absmax / levels."""
+    scale = absmax / levels
+    if float(scale.double() * levels) < float(absmax.double()):
+        scale = torch.nextafter(scale, torch.tensor(math.inf))
+    return scale
+
+
+def test_int4_and_int2_hand_computed() -> None:
+    delta = {"w": torch.tensor([7.0, -3.5, 2.0, -7.0, 0.0, 0.0, 0.4, -0.6, 0.2])}
+    schema = schema_of(delta)
+    blob, decoded = round_trip(spec_of("int4", block_size=4), delta)
+    # block 1: scale 1 -> codes 7, round(-3.5) = -4 (half to even), 2, -7; block 2: absmax
+    # 0.6, scale 0.6/7 -> 0, 0, round(4.67) = 5, -7; block 3: 0.2/7 -> code 7
+    s2, s3 = _scale(torch.tensor(0.6), 7), _scale(torch.tensor(0.2), 7)
+    expected = [7.0, -4.0, 2.0, -7.0, 0.0, 0.0, float(5 * s2), float(-7 * s2), float(7 * s3)]
+    assert decoded["w"].tolist() == expected
+    parts = decode_state_dict(blob, max_bytes=len(blob))
+    # q + 7 packed two a byte, low nibble first: (14, 3), (9, 0), (7, 7), (12, 0), (14, pad 0)
+    assert parts["w/codes"].tolist() == [14 | 3 << 4, 9 | 0 << 4, 7 | 7 << 4, 12 | 0, 14]
+    _, ternary = round_trip(spec_of("int2", block_size=4), delta)
+    # scale = absmax: codes round(x / absmax) in {-1, 0, 1}; -3.5 / 7 = -0.5 rounds to 0
+    s2, s3 = torch.tensor(0.6), torch.tensor(0.2)
+    assert ternary["w"].tolist() == [
+        7.0,
+        0.0,
+        0.0,
+        -7.0,
+        0.0,
+        0.0,
+        float(s2),
+        -float(s2),
+        float(s3),
+    ]
+    spec = spec_of("int2", block_size=4)
+    good = make_encoder(spec, schema, seed=SEED).encode(delta)
+    tampered = decode_state_dict(good, max_bytes=len(good))
+    tampered["w/codes"] = tampered["w/codes"].clone()
+    tampered["w/codes"][0] |= 3  # code 3 is beyond ±1
+    with pytest.raises(ProtocolViolation, match="beyond ±1"):
+        decode_update(bytes(encode_state_dict(tampered)), spec, schema, max_bytes=len(good))
 
 
 @settings(max_examples=300)

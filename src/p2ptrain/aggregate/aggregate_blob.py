@@ -21,17 +21,20 @@ must see the same bits). The sparse form is used exactly when ``6 * nnz + 4 * ch
 that computed the same aggregate writes the same bytes and the same hash; decoding checks
 everything and gives the tensors back bit for bit.
 
-With ``aggregation.precision = "int8"`` in the manifest, the aggregate is rounded before
-the outer step: each tensor is cut into blocks of :data:`INT8_BLOCK` flattened values, each
-block quantised against its absolute maximum exactly as the ``int8`` update codec does
-(IEEE float32 division, round half to even, ±127), and the outer step applies the rounded
-values ``q * scale``. The blob then holds, for every tensor,
+With ``aggregation.precision`` ``int8``, ``int4`` or ``int2`` in the manifest, the aggregate
+is rounded before the outer step: each tensor is cut into blocks of :data:`QUANT_BLOCK`
+flattened values, each block quantised against its absolute maximum exactly as the update
+codec of that name does with ``block_size = 256`` (:mod:`.codec_dense`: IEEE float32
+division, round half to even, ±127, ±7 or ±1), and the outer step applies the rounded values
+``q * scale``. The blob then holds, for every tensor, that codec's parts under
+``<name>/<part>``:
 
-``<name>/q``        int8, the tensor's shape: the codes (never -128);
-``<name>/scale``    float32, ``(ceil(numel / 256),)``: finite, ``>= 0``;
+``int8``            ``<name>/q`` (int8, the tensor's shape, never -128) and ``<name>/scale``;
+``int4``, ``int2``  ``<name>/codes`` (uint8, the packed codes) and ``<name>/scale``;
 
-a quarter of the float32 bytes, and every machine rounds the same aggregate to the same
-codes, so the head still binds one blob and a follower's outer step of its decoded values
+``<name>/scale`` float32, ``(ceil(numel / 256),)``, finite, ``>= 0``: a quarter, an eighth or
+a sixteenth of the float32 bytes. Every machine rounds the same aggregate to the same codes,
+so the head still binds one blob and a follower's outer step of its decoded values
 reproduces the certified weights bit for bit.
 """
 
@@ -43,22 +46,26 @@ from typing import Final
 
 import torch
 
-from p2ptrain.aggregate.codec_dense import Int8Codec
+from p2ptrain.aggregate.codec_dense import Int8Codec, PackedQuantCodec
 from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict
 from p2ptrain.errors import ProtocolViolation
 
 __all__ = [
     "AGGREGATE_FORMAT",
-    "INT8_BLOCK",
+    "QUANT_BLOCK",
     "decode_aggregate",
     "encode_aggregate",
     "settle_aggregate",
 ]
 
 AGGREGATE_FORMAT: Final = "p2ptrain-aggregate/1"
-#: Values per scale of an int8-rounded aggregate.
-INT8_BLOCK: Final = 256
-_INT8: Final = Int8Codec(block_size=INT8_BLOCK)
+#: Values per scale of a rounded aggregate.
+QUANT_BLOCK: Final = 256
+_QUANTISERS: Final[dict[str, Int8Codec | PackedQuantCodec]] = {
+    "int8": Int8Codec(block_size=QUANT_BLOCK),
+    "int4": PackedQuantCodec("int4", block_size=QUANT_BLOCK),
+    "int2": PackedQuantCodec("int2", block_size=QUANT_BLOCK),
+}
 _TAG: Final = "__aggregate__"
 _CHUNK: Final = 1 << 16
 _OFFSET_BIAS: Final = 1 << 15
@@ -95,21 +102,21 @@ def settle_aggregate(
 ) -> tuple[dict[str, torch.Tensor], bytes]:
     """(what the outer step applies, the canonical blob) of an aggregate at the manifest's
     ``aggregation.precision``: the tensors themselves and :func:`encode_aggregate`'s bytes
-    (``fp32``), or their int8 rounding and its codes (``int8``, see the module docstring)."""
+    (``fp32``), or their rounding and its codes (``int8``, ``int4``, ``int2``: see the module
+    docstring)."""
     if precision == "fp32":
         return dict(tensors), encode_aggregate(tensors)
-    if precision != "int8":
-        raise ValueError(f"unknown aggregate precision {precision!r}")
+    quantiser = _QUANTISERS[precision]
     container: dict[str, torch.Tensor] = {
         _TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)
     }
     rounded: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         spec = TensorSpec(name, tuple(tensor.shape), "float32")
-        parts = _INT8.encoder(spec, 0)(tensor.detach())
-        rounded[name] = _INT8.decode(spec, parts)
-        container[f"{name}/q"] = parts["q"]
-        container[f"{name}/scale"] = parts["scale"]
+        parts = quantiser.encoder(spec, 0)(tensor.detach())
+        rounded[name] = quantiser.decode(spec, parts)
+        for part, value in parts.items():
+            container[f"{name}/{part}"] = value
     return rounded, bytes(encode_state_dict(container))
 
 
@@ -127,10 +134,13 @@ def decode_aggregate(
     tag = parts.pop(_TAG, None)
     if tag is None or bytes(tag.tolist()) != AGGREGATE_FORMAT.encode():
         raise ProtocolViolation(f"not a {AGGREGATE_FORMAT} blob (its format tag is missing)")
-    decode_one = _decode_int8 if precision == "int8" else _decode_one
+    quantiser = _QUANTISERS.get(precision)
     out: dict[str, torch.Tensor] = {}
     for spec in schema:
-        out[spec.name] = decode_one(spec, parts)
+        if quantiser is None:
+            out[spec.name] = _decode_one(spec, parts)
+        else:
+            out[spec.name] = _decode_rounded(quantiser, spec, parts)
     if parts:
         raise ProtocolViolation(f"aggregate holds parts of no parameter: {sorted(parts)[:3]}")
     return out
@@ -176,17 +186,19 @@ def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tenso
     return flat.reshape(spec.shape)
 
 
-def _decode_int8(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+def _decode_rounded(
+    quantiser: Int8Codec | PackedQuantCodec, spec: TensorSpec, parts: dict[str, torch.Tensor]
+) -> torch.Tensor:
     name = spec.name
-    q, scale = parts.pop(f"{name}/q", None), parts.pop(f"{name}/scale", None)
-    if q is None or scale is None:
-        raise ProtocolViolation(f"int8 aggregate lacks the codes or scales of {name!r}")
-    blocks = -(-math.prod(spec.shape) // INT8_BLOCK)
-    if (
-        q.dtype != torch.int8
-        or tuple(q.shape) != spec.shape
-        or scale.dtype != torch.float32
-        or tuple(scale.shape) != (blocks,)
-    ):
-        raise ProtocolViolation(f"int8 aggregate {name!r}: parts have the wrong dtypes or shapes")
-    return _INT8.decode(spec, {"q": q, "scale": scale})
+    found = {part: parts.pop(f"{name}/{part}", None) for part in quantiser.layout(spec)}
+    for part, (shape, dtype) in quantiser.layout(spec).items():
+        value = found[part]
+        if value is None:
+            raise ProtocolViolation(
+                f"{quantiser.name} aggregate lacks the {part!r} part of {name!r}"
+            )
+        if value.dtype != dtype or tuple(value.shape) != shape:
+            raise ProtocolViolation(
+                f"{quantiser.name} aggregate {name!r}: parts have the wrong dtypes or shapes"
+            )
+    return quantiser.decode(spec, {part: v for part, v in found.items() if v is not None})

@@ -14,6 +14,17 @@ The encoder sets ``scale = absmax / 127`` (rounded up to the next float32 when r
 nearest fell below it, so ``|x| / scale <= 127`` holds) and ``q = round(x / scale)``, hence
 ``|x - q * scale| <= absmax / 127`` per element (a zero block gets scale 0). Decoding is one
 elementwise ``q * scale`` per element (int8 -> float32 is exact), the same bits everywhere.
+
+``int4`` and ``int2`` quantise the same way with ``L = 7`` and ``L = 1`` levels a side
+(``scale = absmax / L``, codes in ``[-L, L]``; ``int2`` is ternary) and pack the codes:
+
+``codes``   shape ``(ceil(numel * bits / 8),)``, uint8: ``q + L`` of each element in
+            ``bits`` bits (4 or 2), element ``i`` in byte ``i // (8 / bits)`` at bit
+            ``bits * (i % (8 / bits))``; ``2 L + 1`` and above never appear, and the unused
+            high bits of the last byte are zero;
+``scale``   as for ``int8``.
+
+Decoding unpacks the codes to int8 and multiplies exactly as ``int8`` does.
 """
 
 from __future__ import annotations
@@ -27,12 +38,15 @@ import torch
 from p2ptrain.core.tensors import TensorSpec
 from p2ptrain.errors import LocalError, ProtocolViolation
 
-__all__ = ["MAX_BLOCK_SIZE", "CastCodec", "Int8Codec"]
+__all__ = ["MAX_BLOCK_SIZE", "PACKED_BITS", "CastCodec", "Int8Codec", "PackedQuantCodec"]
 
 MAX_BLOCK_SIZE = 1 << 20
 """Largest int8 block a manifest may ask for."""
 
 _CAST_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+PACKED_BITS = {"int4": 4, "int2": 2}
+"""The packed blockwise codecs and their code widths."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,21 +126,111 @@ class Int8Codec:
         q, scale = parts["q"].reshape(-1), parts["scale"]
         if bool(q.eq(-128).any()):
             raise ProtocolViolation(f"int8 codes of {spec.name!r} hold -128; codes lie in ±127")
-        if not bool((torch.isfinite(scale) & scale.ge(0)).all()):
-            raise ProtocolViolation(f"int8 scales of {spec.name!r} must be finite and >= 0")
-        dense = torch.empty(q.numel(), dtype=torch.float32)
-        full = q.numel() // self.block_size * self.block_size
-        blocks = full // self.block_size
-        if full:
-            out = dense[:full].view(blocks, self.block_size)
-            torch.mul(q[:full].view(blocks, self.block_size), scale[:blocks, None], out=out)
-        if full < q.numel():
-            torch.mul(q[full:], scale[blocks:], out=dense[full:])
-        return dense.reshape(spec.shape)
+        return _dequantise(spec, q, scale, self.block_size, "int8")
 
 
-def _quantise(value: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
-    """int8 codes and per-block scales of one float32 tensor (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class PackedQuantCodec:
+    """Blockwise absmax quantisation to ``int4`` (±7) or ``int2`` (ternary) codes, packed;
+    one float32 scale per ``block_size`` elements."""
+
+    error_feedback = False
+
+    name: str
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.name not in PACKED_BITS:
+            raise LocalError(f"no packed codec {self.name!r}; use one of {sorted(PACKED_BITS)}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise LocalError(
+                f"codec.config.block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}"
+            )
+
+    @property
+    def bits(self) -> int:
+        return PACKED_BITS[self.name]
+
+    @property
+    def levels(self) -> int:
+        """Codes a side of zero: 7 (int4) or 1 (int2)."""
+        return (1 << (self.bits - 1)) - 1
+
+    def settings(self) -> dict[str, int | float]:
+        return {"block_size": self.block_size}
+
+    def layout(self, spec: TensorSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        numel = math.prod(spec.shape)
+        blocks = -(-numel // self.block_size)
+        return {
+            "codes": ((-(-numel * self.bits // 8),), torch.uint8),
+            "scale": ((blocks,), torch.float32),
+        }
+
+    def encoder(
+        self, spec: TensorSpec, seed: int
+    ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+        """A function from one float32 tensor to its parts (stateless; ``seed`` unused)."""
+        levels, bits = self.levels, self.bits
+
+        def encode(value: torch.Tensor) -> dict[str, torch.Tensor]:
+            parts = _quantise(value, self.block_size, levels)
+            shifted = parts["q"].reshape(-1).to(torch.int32).add_(levels)
+            return {"codes": _pack(shifted, bits), "scale": parts["scale"]}
+
+        return encode
+
+    def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``q * scale`` per element, as ``int8``; ``parts`` already match :meth:`layout`."""
+        numel = math.prod(spec.shape)
+        shifted = _unpack(spec.name, self.name, parts["codes"], numel, self.bits)
+        if bool(shifted.gt(2 * self.levels).any()):
+            raise ProtocolViolation(f"{self.name} codes of {spec.name!r} go beyond ±{self.levels}")
+        q = shifted.sub_(self.levels).to(torch.int8)
+        return _dequantise(spec, q, parts["scale"], self.block_size, self.name)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Non-negative ``bits``-bit codes packed low bits first, the last byte's spare bits 0."""
+    per_byte = 8 // bits
+    padded = torch.zeros(-(-codes.numel() // per_byte) * per_byte, dtype=torch.int32)
+    padded[: codes.numel()] = codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
+    return padded.view(-1, per_byte).bitwise_left_shift(shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack(name: str, codec: str, packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The ``count`` codes of ``packed`` (int32); :class:`ProtocolViolation` unless the
+    spare bits are zero."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
+    codes = packed.to(torch.int32)[:, None].bitwise_right_shift(shifts) & ((1 << bits) - 1)
+    codes = codes.reshape(-1)
+    if bool(codes[count:].any()):
+        raise ProtocolViolation(f"{codec} codes of {name!r} have non-zero padding bits")
+    return codes[:count].clone()
+
+
+def _dequantise(
+    spec: TensorSpec, q: torch.Tensor, scale: torch.Tensor, block_size: int, codec: str
+) -> torch.Tensor:
+    """``q * scale`` per element (``q`` flat int8, one scale a block): the same bits on
+    every machine."""
+    if not bool((torch.isfinite(scale) & scale.ge(0)).all()):
+        raise ProtocolViolation(f"{codec} scales of {spec.name!r} must be finite and >= 0")
+    dense = torch.empty(q.numel(), dtype=torch.float32)
+    full = q.numel() // block_size * block_size
+    blocks = full // block_size
+    if full:
+        out = dense[:full].view(blocks, block_size)
+        torch.mul(q[:full].view(blocks, block_size), scale[:blocks, None], out=out)
+    if full < q.numel():
+        torch.mul(q[full:], scale[blocks:], out=dense[full:])
+    return dense.reshape(spec.shape)
+
+
+def _quantise(value: torch.Tensor, block_size: int, levels: int = 127) -> dict[str, torch.Tensor]:
+    """Codes in ``[-levels, levels]`` (int8) and per-block scales of one float32 tensor (see
+    the module docstring)."""
     flat = value.reshape(-1)
     numel = flat.numel()
     blocks = -(-numel // block_size)
@@ -137,11 +241,12 @@ def _quantise(value: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
         padded = flat
     grid = padded.view(blocks, block_size)
     absmax = grid.abs().amax(dim=1) if numel else torch.zeros(0)
-    scale = absmax / 127.0
-    # Round the scale up where rounding to nearest fell below absmax / 127 (float64 is exact
-    # here), so no code needs more than 127; in the subnormal range this also keeps it > 0.
-    low = scale.double().mul(127.0).lt(absmax.double())
+    scale = absmax / float(levels)
+    # Round the scale up where rounding to nearest fell below absmax / levels (float64 is
+    # exact here), so no code needs more than levels; in the subnormal range this also keeps
+    # it > 0.
+    low = scale.double().mul(float(levels)).lt(absmax.double())
     scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
     divisor = torch.where(scale.gt(0), scale, torch.ones_like(scale))
-    codes = grid.div(divisor[:, None]).round_().clamp_(-127.0, 127.0).to(torch.int8)
+    codes = grid.div(divisor[:, None]).round_().clamp_(-levels, levels).to(torch.int8)
     return {"q": codes.reshape(-1)[:numel].reshape(value.shape), "scale": scale}

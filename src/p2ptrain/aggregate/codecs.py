@@ -31,6 +31,8 @@ fp16        ``values``            the parameter's                               
 bf16        ``values``            the parameter's                                bfloat16
 int8        ``q``                 the parameter's                                int8
 int8        ``scale``             ``(ceil(numel / block_size),)``                float32
+int4, int2  ``codes``             ``(ceil(numel * bits / 8),)``, bits 4 or 2     uint8
+int4, int2  ``scale``             ``(ceil(numel / block_size),)``                float32
 topk        ``indices``           ``(k,)``, ``k = max(1, ceil(fraction*numel))`` int32 [#]_
 topk        ``values``            ``(k,)``                                       float32
 lowrank     ``p``, ``q``          ``(rows, r)``, ``(cols, r)`` [#]_              float32
@@ -56,7 +58,8 @@ Decoding
 --------
 :func:`decode_update` accepts a blob only if the header is byte-for-byte the canonical header
 of the expected codec settings and model schema, the container holds exactly the expected
-parts, and every value is valid (int8 codes in ±127, scales finite and >= 0, top-k indices
+parts, and every value is valid (int8 codes in ±127, int4/int2 codes in ±7/±1 with zero
+padding bits, scales finite and >= 0, top-k indices
 strictly increasing and in range; sparseloco counts within their chunks and summing to k,
 offsets inside their chunk and strictly increasing within it, code padding bits zero; every
 decoded value finite). Anything else raises :class:`ProtocolViolation`, and nothing else.
@@ -74,7 +77,7 @@ from typing import Annotated, Final, Protocol
 import msgspec
 import torch
 
-from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec
+from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec, PackedQuantCodec
 from p2ptrain.aggregate.codec_encoder import MAX_ABS_VALUE, EncoderStatistics, UpdateEncoder
 from p2ptrain.aggregate.codec_lowrank import LowRankCodec
 from p2ptrain.aggregate.codec_sparse import TopKCodec
@@ -154,6 +157,10 @@ def _int8(spec: CodecSpec) -> ParameterCodec:
     return Int8Codec(block_size=int(_setting(spec, "block_size", int, 256)))
 
 
+def _packed(spec: CodecSpec) -> ParameterCodec:
+    return PackedQuantCodec(spec.name, block_size=int(_setting(spec, "block_size", int, 256)))
+
+
 def _topk(spec: CodecSpec) -> ParameterCodec:
     return TopKCodec(fraction=float(_setting(spec, "fraction", float, 0.01)))
 
@@ -174,6 +181,8 @@ _REGISTRY: Final[dict[str, tuple[tuple[str, ...], Callable[[CodecSpec], Paramete
     "fp16": ((), _cast),
     "bf16": ((), _cast),
     "int8": (("block_size",), _int8),
+    "int4": (("block_size",), _packed),
+    "int2": (("block_size",), _packed),
     "topk": (("fraction",), _topk),
     "lowrank": (("rank",), _lowrank),
     "sparseloco": (("bits", "fraction"), _sparseloco),

@@ -1,8 +1,9 @@
 """Our network on the convergence bench's task: the demo's network as real processes.
 
 A seed, a reducer, 3 validators (any 2 certify) and ``task.workers`` trainers run DiLoCo with
-the demo's settings for ``task.windows`` windows of ``task.inner_steps`` steps: int8 updates,
-the default robust rule, each window's aggregate rounded to int8 (what trainers download),
+the demo's settings for ``task.windows`` windows of ``task.inner_steps`` steps: 4-bit (int4)
+updates, the default robust rule, each window's aggregate rounded to 4 bits (what trainers
+download),
 outer Nesterov lr 1.0 momentum 0.5, and the workload's inner AdamW at a rate that decays
 along a cosine to a tenth over the run, as the DiLoCo recipe's inner schedule does (the DDP
 ranks keep the workload's constant rate). Each node runs in its host's network namespace
@@ -28,6 +29,7 @@ from p2ptrain.node.events import Exited, HeadAdopted, RoleFailure, Trained
 from p2ptrain.node.local_network import LocalNetwork, experiment_toml
 from p2ptrain.torch.char_gpt import (
     DEMO_AGGREGATE_PRECISION,
+    DEMO_CODEC,
     DEMO_DEFAULTS,
     demo_inner_schedule,
 )
@@ -89,6 +91,7 @@ def run_network(
         inner_lr=task.lr,
         inner_schedule=demo_inner_schedule(task.windows),
         aggregate_precision=DEMO_AGGREGATE_PRECISION,
+        codec=DEMO_CODEC,
         study="bench",
         name="convergence",
         staleness=task.staleness,

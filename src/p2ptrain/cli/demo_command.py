@@ -172,6 +172,7 @@ def _run(
     from p2ptrain.cli.demo_experiment import demo_toml
     from p2ptrain.torch.char_gpt import (
         DEMO_AGGREGATE_PRECISION,
+        DEMO_CODEC,
         DEMO_DEFAULTS,
         demo_inner_schedule,
     )
@@ -194,6 +195,7 @@ def _run(
             "momentum": float(DEMO_DEFAULTS["outer_momentum"]),
         },
         "aggregation": {"precision": DEMO_AGGREGATE_PRECISION},
+        "codec": {"name": DEMO_CODEC},
         "window": {
             "deadline_s": deadline_s,
             "proposal_s": 10.0,
@@ -215,14 +217,14 @@ def _run(
     try:
         network.start("seed", "seed", args=["--experiment-toml", str(path), *code])
         network.wait_ready(["seed"])
-        others = ["reducer", *(f"validator-{i}" for i in range(3))]
+        # everyone at once: a reducer that opened window 1 long before the trainers could
+        # train it would close it at its deadline with whoever was done by then
         network.start("reducer", "reducer")
         for i in range(3):
             network.start(f"validator-{i}", "validator")
-        network.wait_ready(others)
         for name in trainers:
             network.start(name, "trainer", args=code)
-        network.wait_ready(trainers)
+        network.wait_ready([name for name in network.nodes if name != "seed"])
         console.print(f"every node is ready: {len(network.nodes)} processes")
         trained = _follow(network, args.windows, console, per_window_s=deadline_s + 60)
     except _StopSignal as stop:

@@ -29,7 +29,7 @@ INNER_SCHEDULES = ("constant", "cosine")
 #: every trainer holds; ``sharded`` -- from prepared shard files fetched from peers by hash;
 #: ``generated`` -- made from the lease, no data moves; ``custom`` -- a user callback.
 DATA_KINDS = ("indexed", "sharded", "generated", "custom")
-UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "topk", "lowrank", "sparseloco")
+UPDATE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2", "topk", "lowrank", "sparseloco")
 AGGREGATION_RULES = (
     "mean",
     "trimmed_mean",
@@ -40,8 +40,9 @@ AGGREGATION_RULES = (
 )
 
 #: How a window's aggregate is rounded before the outer step and stored for followers:
-#: ``fp32`` -- not at all; ``int8`` -- blockwise int8, a quarter of the bytes to download.
-AGGREGATE_PRECISIONS = ("fp32", "int8")
+#: ``fp32`` -- not at all; ``int8`` / ``int4`` / ``int2`` -- blockwise, as the update codecs
+#: of those names quantise (a quarter, an eighth, a sixteenth of the bytes to download).
+AGGREGATE_PRECISIONS = ("fp32", "int8", "int4", "int2")
 
 MAX_CONFIG_ENTRIES = 64
 MAX_STALENESS = 4

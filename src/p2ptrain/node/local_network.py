@@ -94,6 +94,7 @@ def experiment_toml(
     inner_lr: float = 1e-3,
     inner_schedule: Mapping[str, Any] | None = None,
     aggregate_precision: str = "fp32",
+    codec: str = "int8",
     study: str = "demo",
     name: str = "shakespeare",
     staleness: int = 0,
@@ -101,7 +102,7 @@ def experiment_toml(
     """An experiment definition for a registered workload (the seed fills in the dataset,
     schema hash, genesis weights and lease size). ``inner_schedule``: the inner learning
     rate's schedule keys of ``[inner_optimizer]`` (``schedule``, ``decay_windows``, ...);
-    ``aggregate_precision``: ``aggregation.precision``."""
+    ``aggregate_precision``: ``aggregation.precision``; ``codec``: the update codec."""
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in workload["config"].items())
     schedule = [f"{k} = {json.dumps(v)}" for k, v in (inner_schedule or {}).items()]
     lines = [
@@ -135,6 +136,9 @@ def experiment_toml(
         "",
         "[aggregation]",
         f'precision = "{aggregate_precision}"',
+        "",
+        "[codec]",
+        f'name = "{codec}"',
         "",
     ]
     return "\n".join(lines)

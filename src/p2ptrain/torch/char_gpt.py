@@ -43,6 +43,7 @@ from p2ptrain.torch.workload import TorchWorkload
 __all__ = [
     "DEFAULT_CONFIG",
     "DEMO_AGGREGATE_PRECISION",
+    "DEMO_CODEC",
     "DEMO_DEFAULTS",
     "CharGPT",
     "char_gpt_workload",
@@ -87,9 +88,12 @@ DEMO_DEFAULTS: Final[dict[str, int | float]] = {
     "min_lr_ratio": 0.1,
 }
 
-#: The demo's aggregation.precision: trainers download each window's aggregate as int8
-#: (a quarter of float32's bytes; the outer step applies the rounded values).
-DEMO_AGGREGATE_PRECISION: Final = "int8"
+#: The demo's update codec and aggregation.precision: trainers upload 4-bit blockwise codes
+#: (an eighth of float32's bytes) and download each window's aggregate rounded the same way
+#: (the outer step applies the rounded values). bench/tune_diloco.py: 24 windows ended at
+#: validation loss 1.877 with both at 4 bits, 1.876 with both at 8 bits.
+DEMO_CODEC: Final = "int4"
+DEMO_AGGREGATE_PRECISION: Final = "int4"
 
 
 def demo_inner_schedule(windows: int) -> dict[str, str | int | float]:
