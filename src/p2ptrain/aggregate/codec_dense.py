@@ -38,7 +38,15 @@ import torch
 from p2ptrain.core.tensors import TensorSpec
 from p2ptrain.errors import LocalError, ProtocolViolation
 
-__all__ = ["MAX_BLOCK_SIZE", "PACKED_BITS", "CastCodec", "Int8Codec", "PackedQuantCodec"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "PACKED_BITS",
+    "CastCodec",
+    "Int8Codec",
+    "PackedQuantCodec",
+    "pack_codes",
+    "unpack_codes",
+]
 
 MAX_BLOCK_SIZE = 1 << 20
 """Largest int8 block a manifest may ask for."""
@@ -176,21 +184,21 @@ class PackedQuantCodec:
         def encode(value: torch.Tensor) -> dict[str, torch.Tensor]:
             parts = _quantise(value, self.block_size, levels)
             shifted = parts["q"].reshape(-1).to(torch.int32).add_(levels)
-            return {"codes": _pack(shifted, bits), "scale": parts["scale"]}
+            return {"codes": pack_codes(shifted, bits), "scale": parts["scale"]}
 
         return encode
 
     def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``q * scale`` per element, as ``int8``; ``parts`` already match :meth:`layout`."""
         numel = math.prod(spec.shape)
-        shifted = _unpack(spec.name, self.name, parts["codes"], numel, self.bits)
+        shifted = unpack_codes(spec.name, self.name, parts["codes"], numel, self.bits)
         if bool(shifted.gt(2 * self.levels).any()):
             raise ProtocolViolation(f"{self.name} codes of {spec.name!r} go beyond ±{self.levels}")
         q = shifted.sub_(self.levels).to(torch.int8)
         return _dequantise(spec, q, parts["scale"], self.block_size, self.name)
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative ``bits``-bit codes packed low bits first, the last byte's spare bits 0."""
     per_byte = 8 // bits
     padded = torch.zeros(-(-codes.numel() // per_byte) * per_byte, dtype=torch.int32)
@@ -199,7 +207,9 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return padded.view(-1, per_byte).bitwise_left_shift(shifts).sum(dim=1).to(torch.uint8)
 
 
-def _unpack(name: str, codec: str, packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+def unpack_codes(
+    name: str, codec: str, packed: torch.Tensor, count: int, bits: int
+) -> torch.Tensor:
     """The ``count`` codes of ``packed`` (int32); :class:`ProtocolViolation` unless the
     spare bits are zero."""
     shifts = torch.arange(0, 8, bits, dtype=torch.int32)

@@ -53,6 +53,7 @@ from typing import Final
 
 import torch
 
+from p2ptrain.aggregate.codec_dense import pack_codes, unpack_codes
 from p2ptrain.core.tensors import TensorSpec
 from p2ptrain.errors import LocalError, ProtocolViolation
 
@@ -125,7 +126,7 @@ class SparseLoCoCodec:
             return {
                 "counts": torch.bincount(chosen // CHUNK_SIZE, minlength=chunks).to(torch.int32),
                 "offsets": (chosen % CHUNK_SIZE - _OFFSET_BIAS).to(torch.int16),
-                "codes": _pack(codes, bits),
+                "codes": pack_codes(codes, bits),
                 "scale": scale,
             }
 
@@ -142,7 +143,7 @@ class SparseLoCoCodec:
                 f"sparseloco scale of {spec.name!r} must be finite and >= 0, got {float(scale)}"
             )
         positions = _positions(spec.name, parts["counts"], parts["offsets"], numel, k)
-        codes = _unpack(spec.name, parts["codes"], k, self.bits)
+        codes = unpack_codes(spec.name, self.name, parts["codes"], k, self.bits)
         dense = torch.zeros(numel, dtype=torch.float32)
         if k:
             top = 1 << (self.bits - 1)
@@ -170,25 +171,6 @@ def _fit_scale(magnitudes: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.
         return torch.zeros(1), nothing
     level = wanted.div(float(scale)).round_().clamp_(1, top)
     return scale, level.to(torch.int32).sub_(1)
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``bits``-bit codes packed low bits first, the last byte's spare bits zero."""
-    per_byte = 8 // bits
-    padded = torch.zeros(-(-codes.numel() // per_byte) * per_byte, dtype=torch.int32)
-    padded[: codes.numel()] = codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
-    return padded.view(-1, per_byte).bitwise_left_shift(shifts).sum(dim=1).to(torch.uint8)
-
-
-def _unpack(name: str, packed: torch.Tensor, k: int, bits: int) -> torch.Tensor:
-    """The ``k`` codes of ``packed``; :class:`ProtocolViolation` unless the spare bits are 0."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
-    codes = packed.to(torch.int32)[:, None].bitwise_right_shift(shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(-1)
-    if bool(codes[k:].any()):
-        raise ProtocolViolation(f"sparseloco codes of {name!r} have non-zero padding bits")
-    return codes[:k]
 
 
 def _positions(
