@@ -131,7 +131,12 @@ def test_every_node_keeps_its_store_bounded_for_200_windows(local_net: Net) -> N
         assert experiment is not None and tip.optimizer_blob is not None
         genesis = open_envelope(experiment, ExperimentManifest).record.genesis_weights
         genesis_bytes = seed.blobs.size(genesis)
-        head_bytes = seed.blobs.size(tip.weights_blob) + seed.blobs.size(tip.optimizer_blob)
+        assert tip.aggregate_blob is not None
+        # a kept head keeps its weights, its outer momentum and the aggregate that made it
+        head_bytes = sum(
+            seed.blobs.size(blob)
+            for blob in (tip.weights_blob, tip.optimizer_blob, tip.aggregate_blob)
+        )
     update_bytes = max(e["blob_bytes"] for e in net.events("trained"))
     window_bytes = TRAINERS * update_bytes
 
