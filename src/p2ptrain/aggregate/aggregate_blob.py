@@ -81,9 +81,7 @@ def _sparse_is_smaller(nnz: int, numel: int) -> bool:
 
 def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """The canonical bytes of an aggregate (float32 CPU tensors, any names)."""
-    container: dict[str, torch.Tensor] = {
-        _TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)
-    }
+    container = _tagged()
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
         stored = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
@@ -97,6 +95,11 @@ def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return bytes(encode_state_dict(container))
 
 
+def _tagged() -> dict[str, torch.Tensor]:
+    """A container holding only the format tag."""
+    return {_TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)}
+
+
 def settle_aggregate(
     tensors: Mapping[str, torch.Tensor], precision: str = "fp32"
 ) -> tuple[dict[str, torch.Tensor], bytes]:
@@ -107,9 +110,7 @@ def settle_aggregate(
     if precision == "fp32":
         return dict(tensors), encode_aggregate(tensors)
     quantiser = _QUANTISERS[precision]
-    container: dict[str, torch.Tensor] = {
-        _TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)
-    }
+    container = _tagged()
     rounded: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         spec = TensorSpec(name, tuple(tensor.shape), "float32")
@@ -189,10 +190,9 @@ def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tenso
 def _decode_rounded(
     quantiser: Int8Codec | PackedQuantCodec, spec: TensorSpec, parts: dict[str, torch.Tensor]
 ) -> torch.Tensor:
-    name = spec.name
-    found = {part: parts.pop(f"{name}/{part}", None) for part in quantiser.layout(spec)}
+    name, found = spec.name, {}
     for part, (shape, dtype) in quantiser.layout(spec).items():
-        value = found[part]
+        value = parts.pop(f"{name}/{part}", None)
         if value is None:
             raise ProtocolViolation(
                 f"{quantiser.name} aggregate lacks the {part!r} part of {name!r}"
@@ -201,4 +201,5 @@ def _decode_rounded(
             raise ProtocolViolation(
                 f"{quantiser.name} aggregate {name!r}: parts have the wrong dtypes or shapes"
             )
-    return quantiser.decode(spec, {part: v for part, v in found.items() if v is not None})
+        found[part] = value
+    return quantiser.decode(spec, found)

@@ -19,7 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2ptrain.errors import LocalError
-from p2ptrain.torch.workload import TorchWorkload, minibatch_plan, train_step
+from p2ptrain.torch.workload import (
+    TorchWorkload,
+    minibatch_plan,
+    scale_learning_rates,
+    train_step,
+)
 
 __all__ = ["ddp_bytes_per_worker", "ddp_equivalent"]
 
@@ -66,12 +71,9 @@ def ddp_equivalent(
     model, optimizer = _fresh_copy(workload)
     model.train()
     batch_size = workload.batch_size
-    base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
     for w, trainers in enumerate(windows):
         if lr_scale is not None:
-            scale = lr_scale(w + 1)
-            for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
-                group["lr"] = base * scale
+            scale_learning_rates(optimizer, workload.base_lrs, lr_scale(w + 1))
         plans = [
             minibatch_plan(indices, steps=steps, batch_size=batch_size, seed=seed_of(w, t))
             for t, indices in enumerate(trainers)

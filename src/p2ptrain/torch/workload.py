@@ -440,10 +440,7 @@ class TorchWorkload:
     def set_lr_scale(self, scale: float) -> None:
         """Train at ``scale`` times every parameter group's learning rate as the optimizer
         was built (the manifest's inner schedule, set before each window)."""
-        if not math.isfinite(scale) or scale < 0:
-            raise LocalError(f"the learning-rate scale must be finite and >= 0, got {scale}")
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * scale
+        scale_learning_rates(self.optimizer, self._base_lrs, scale)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """``f"{parameter}/{key}"`` for every per-parameter state entry (numbers, such as
@@ -454,6 +451,16 @@ class TorchWorkload:
         """Replace the optimizer's per-parameter state with ``tensors`` (from
         :meth:`optimizer_state`), on the parameters' device."""
         restore_optimizer_state(self.optimizer, self._params, tensors)
+
+
+def scale_learning_rates(
+    optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], scale: float
+) -> None:
+    """Set each parameter group's learning rate to ``scale`` times its ``base_lrs`` entry."""
+    if not math.isfinite(scale) or scale < 0:
+        raise LocalError(f"the learning-rate scale must be finite and >= 0, got {scale}")
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * scale
 
 
 def _check_map_style(role: str, dataset: object) -> None:
