@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from p2ptrain.core.manifests import NetworkManifest
 from p2ptrain.errors import TransportError
@@ -88,4 +89,6 @@ def test_ranges_uploads_and_metrics(tmp_path: Path) -> None:
     assert seen["stored_wrong"] is False
     assert "413" in str(seen["too_big"])
     assert seen["pushed"] is True and seen["stored_good"] is True
-    assert "p2ptrain_server_blobs_received 1" in str(seen["metrics"])
+    assert "p2ptrain_server_blobs_received_total 1.0" in str(seen["metrics"])
+    types = {f.name: f.type for f in text_string_to_metric_families(str(seen["metrics"]))}
+    assert types["p2ptrain_server_blobs_received"] == "counter"

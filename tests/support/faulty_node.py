@@ -5,7 +5,10 @@ tests set it for one node; fault injection by role and step, after torchft's tes
 
 * ``train:N`` -- the workload's N-th ``train_window`` call raises ``RuntimeError``;
 * ``train:always`` -- every call does;
-* ``tick:once`` -- a validator's or reducer's first tick raises ``RuntimeError``.
+* ``tick:once`` -- a validator's or reducer's first tick raises ``RuntimeError``;
+* ``update:scale:K`` -- every window's trained weights are moved K times as far from the
+  window's base as training moved them, so the trainer's pseudo-gradient is K times its
+  honest norm (screening rejects it as an outlier once the cohort has honest updates).
 
 Everything else is the real node: the real CLI, network, protocol and workload.
 """
@@ -41,6 +44,28 @@ def _faulty_training(when: str) -> None:
     registry.register("char-gpt", factory, replace=True)
 
 
+def _scaled_updates(scale: float) -> None:
+    from p2ptrain.torch import registry
+    from p2ptrain.torch.char_gpt import char_gpt_workload
+
+    def factory(config: Mapping[str, Any]) -> Any:
+        workload = char_gpt_workload(config)
+        train_window = workload.train_window
+
+        def scaled(weights: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+            result = train_window(weights, *args, **kwargs)
+            moved = {
+                name: weights[name] + scale * (trained - weights[name])
+                for name, trained in result.weights.items()
+            }
+            return result._replace(weights=moved)
+
+        workload.train_window = scaled  # type: ignore[method-assign]
+        return workload
+
+    registry.register("char-gpt", factory, replace=True)
+
+
 def _faulty_tick() -> None:
     from p2ptrain.protocol.participant import Participant
 
@@ -56,13 +81,24 @@ def _faulty_tick() -> None:
     Participant.tick = failing  # type: ignore[method-assign]
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> int:
     fault = os.environ.get(FAULT_ENV, "")
     kind, _, when = fault.partition(":")
+    how, _, factor = when.partition(":")
     if kind == "train":
         _faulty_training(when)
     elif kind == "tick" and when == "once":
         _faulty_tick()
+    elif kind == "update" and how == "scale" and _is_number(factor):
+        _scaled_updates(float(factor))
     else:
         print(f"faulty_node: unknown {FAULT_ENV}={fault!r}", file=sys.stderr)
         return 2

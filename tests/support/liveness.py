@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.local_net import Net, check_one_tip, new_net
 
@@ -151,17 +152,19 @@ def accusations(net: Net, accused: str) -> list[str]:
 
 
 def metrics(net: Net, name: str) -> dict[str, float]:
-    """The counters the serving node ``name`` answers at ``GET /metrics``, without their
-    ``p2ptrain_`` prefix (``connections_opened``, ``gossip_delivered``, ...)."""
+    """The unlabelled figures the serving node ``name`` answers at ``GET /metrics``, without
+    their ``p2ptrain_`` prefix and counters' ``_total`` (``connections_opened``,
+    ``gossip_delivered``, ...)."""
     address = net.network.nodes[name].address
     net.check(address is not None, f"{name} serves nothing: it has no metrics")
     with urllib.request.urlopen(f"{address}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     counters = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key.startswith("p2ptrain_") and value:
-            counters[key.removeprefix("p2ptrain_")] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("p2ptrain_") and not sample.labels:
+                name = sample.name.removeprefix("p2ptrain_").removesuffix("_total")
+                counters[name] = float(sample.value)
     return counters
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from p2ptrain import __version__
 from p2ptrain.cli import (
     bench_commands,
+    dashboard_command,
     data_commands,
     demo_command,
     experiment_commands,
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_command.add_parser(commands)
     identity_commands.add_parsers(commands, data_dir)
     node_commands.add_parsers(commands, data_dir)
+    dashboard_command.add_parser(commands, data_dir)
     experiment_commands.add_parsers(commands, data_dir)
     bench_commands.add_parsers(commands)
     sim_commands.add_parsers(commands)

@@ -164,6 +164,11 @@ class Gatekeeper:
         # server nonce is fresh (beyond the capacity, the oldest are forgotten first).
         self._used = SeenSet(_USED_CNONCES, NONCE_TTL_MS + _CLOCK_SKEW_MS)
 
+    @property
+    def private(self) -> bool:
+        """Whether only some may join: a network secret, or admission certificates."""
+        return self.network.secret_check is not None or self.network.admission != "open"
+
     def new_nonce(self) -> str:
         stamp = struct.pack(">Q", self._now_ms()) + self._random(8)
         return _b64(stamp + hmac.new(self._nonce_key, stamp, hashlib.sha256).digest()[:16])

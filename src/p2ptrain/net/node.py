@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.core import Metric
 
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity
@@ -34,6 +35,7 @@ from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
 from p2ptrain.net.content import LocalContent
 from p2ptrain.net.gossip import Delivered, GossipRouter, GossipStatistics
+from p2ptrain.net.net_metrics import exposition, net_families
 from p2ptrain.net.peers import PeerBook, PeerBookStatistics
 from p2ptrain.net.relay import RelayHub, RelayStatistics, answer_relay
 from p2ptrain.net.server import NodeServer, ServerStatistics
@@ -78,6 +80,8 @@ class NetNodeStatistics:
     peers: PeerBookStatistics
     relay: RelayStatistics
     server: ServerStatistics | None
+    #: Bytes of gossip and subscription frames read from neighbours.
+    gossip_bytes_received: int = 0
 
 
 class NetNode:
@@ -143,6 +147,14 @@ class NetNode:
         self._rounds = 0
         self._opened = 0
         self._lan: Any = None
+        self._gossip_in = 0
+        #: Set before start: told of each blob served (``sent``) or pushed here
+        #: (``received``), with its id and bytes.
+        self.on_blob_bytes: Callable[[str, str, int], None] = lambda *_: None
+        #: Set before start: the node's own pages (the dashboard; see the server).
+        self.extra_routes: Sequence[web.RouteDef] = ()
+        #: Set before start: the Prometheus text of ``/metrics`` (else the network's alone).
+        self.metrics_text: Callable[[], bytes] = lambda: exposition(self.metric_families)
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -206,7 +218,9 @@ class NetNode:
             connection_to=self.gossip.connections.get,
             on_socket=self._inbound_socket,
             inbound_full=lambda: self._count(outbound=False) >= self.config.max_inbound,
-            metrics=self._metrics,
+            metrics=self.metrics_text,
+            on_blob_bytes=self.on_blob_bytes,
+            extra_routes=self.extra_routes,
         )
         context: ssl.SSLContext | None = None
         if self.config.tls:
@@ -393,6 +407,7 @@ class NetNode:
         async for data in connection.frames():
             frame = decode_frame(data, max_bytes=self.config.max_frame_bytes)
             if isinstance(frame, Gossip | Subscribe):
+                self._gossip_in += len(data)
                 self.gossip.receive(connection, frame)
             elif isinstance(frame, RelayRequest):
                 if relays.locked():
@@ -527,19 +542,12 @@ class NetNode:
             peers=self.peers.statistics(),
             relay=self.relay.statistics(),
             server=None if self._server is None else self._server.statistics(),
+            gossip_bytes_received=self._gossip_in,
         )
 
-    def _metrics(self) -> Iterator[tuple[str, float]]:
-        stats = self.statistics()
-        yield "connections_outbound", stats.outbound
-        yield "connections_inbound", stats.inbound
-        yield "connections_opened", stats.connections_opened
-        for group in (stats.gossip, stats.peers, stats.relay, stats.server):
-            if group is None:
-                continue
-            prefix = type(group).__name__.removesuffix("Statistics").lower()
-            for name in group.__dataclass_fields__:
-                yield f"{prefix}_{name}", getattr(group, name)
+    def metric_families(self) -> Iterator[Metric]:
+        """The network's figures as typed Prometheus families."""
+        return net_families(self.statistics())
 
 
 def _with_port(address: str, port: int) -> str:

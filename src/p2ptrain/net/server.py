@@ -11,7 +11,11 @@ Routes (all but ``/metrics`` need credentials, see :mod:`p2ptrain.net.auth`):
 * ``GET /ws`` -- the gossip WebSocket;
 * ``GET /v1/relay/{peer id}/v1/...`` -- the same requests, answered by a private peer
   connected to this node;
-* ``GET /metrics`` -- Prometheus text, from loopback only.
+* ``GET /metrics`` -- Prometheus text, from loopback only (``--metrics-listen`` serves it
+  elsewhere, on a listener of its own);
+* the routes a node adds (:attr:`NodeServer.extra_routes`: the dashboard), answered without
+  credentials to loopback callers, and to everyone on an open network; a private network's
+  peers prove its secret as on every other route.
 
 Bad requests are answered with a status and a one-line reason, counted against the caller's
 address (or peer id once known), and never disturb other requests.
@@ -24,12 +28,13 @@ import contextvars
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
@@ -113,8 +118,13 @@ class NodeServer:
         connection_to: Callable[[str], PeerConnection | None],
         on_socket: Callable[[web.WebSocketResponse, Admitted, str], Awaitable[None]],
         inbound_full: Callable[[], bool],
-        metrics: Callable[[], Iterator[tuple[str, float]]],
+        metrics: Callable[[], bytes],
+        on_blob_bytes: Callable[[str, str, int], None] | None = None,
+        extra_routes: Sequence[web.RouteDef] = (),
     ) -> None:
+        """``metrics``: the Prometheus text of ``/metrics``; ``on_blob_bytes(direction,
+        blob_id, n)``: told of each blob served (``sent``) or pushed here (``received``);
+        ``extra_routes``: the node's own pages (see the module docstring)."""
         self.config = config
         self.gatekeeper = gatekeeper
         self.content = content
@@ -124,6 +134,10 @@ class NodeServer:
         self._on_socket = on_socket
         self._inbound_full = inbound_full
         self._metrics = metrics
+        self._on_blob_bytes = on_blob_bytes or (lambda *_: None)
+        self.extra_routes = tuple(extra_routes)
+        self._extra_paths = {route.path for route in self.extra_routes}
+        self._private = gatekeeper.private
         self._buckets: dict[str, TokenBucket] = {}
         self._refusals: dict[str, TokenBucket] = {}
         self._requests = self._refused = self._bad = 0
@@ -136,6 +150,7 @@ class NodeServer:
             handler_args={"max_field_size": 8190, "max_line_size": 8190},
         )
         app.router.add_get("/metrics", self._metrics_page)
+        app.router.add_routes(self.extra_routes)
         app.router.add_get("/ws", self._socket)
         app.router.add_post("/v1/blobs", self._upload)
         app.router.add_get(r"/v1/blobs/{blob_id}", self._blob)
@@ -163,6 +178,8 @@ class NodeServer:
         remote = request.remote or "?"
         now = time.monotonic()
         if request.path in _PUBLIC_PATHS:
+            return await handler(request)
+        if self._is_extra(request.path) and (not self._private or _is_loopback(remote)):
             return await handler(request)
         refusals = self._refusals.get(remote)
         if refusals is not None and refusals.take(0, now) > 0:
@@ -197,6 +214,11 @@ class NodeServer:
         _ADMITTED.set(admitted)
         return await handler(request)
 
+    def _is_extra(self, path: str) -> bool:
+        return path in self._extra_paths or any(
+            p.endswith("}") and path.startswith(p[: p.index("{")]) for p in self._extra_paths
+        )
+
     def _count_refusal(self, remote: str, now: float) -> None:
         """Refused requests cost us a signature check each: an address that keeps sending
         them is answered 429 without checking, until its bucket refills."""
@@ -221,6 +243,8 @@ class NodeServer:
         except BlobNotFound:
             return _reply(404, f"this node does not hold blob {blob_id}")
         self._served += 1
+        served = _served_bytes(request, path.stat().st_size)
+        self._on_blob_bytes("sent", blob_id, served)
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def _record(self, request: web.Request) -> web.StreamResponse:
@@ -275,6 +299,7 @@ class NodeServer:
             return _reply(400, str(exc))
         self._received += 1
         self._received_bytes += size
+        self._on_blob_bytes("received", blob_id, size)
         return _reply(201, "stored")
 
     async def _socket(self, request: web.Request) -> web.StreamResponse:
@@ -319,8 +344,26 @@ class NodeServer:
     async def _metrics_page(self, request: web.Request) -> web.StreamResponse:
         if not _is_loopback(request.remote):
             return _reply(403, "metrics are served to loopback only")
-        lines = [f"p2ptrain_{name} {value}" for name, value in self._metrics()]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.Response(body=self._metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _served_bytes(request: web.Request, size: int) -> int:
+    """The bytes a GET of a ``size``-byte file answers (its range; none for HEAD)."""
+    if request.method != "GET":
+        return 0
+    try:
+        wanted = request.http_range
+    except ValueError:
+        return size
+    start: int | None = wanted.start
+    stop: int | None = wanted.stop
+    if start is None and stop is None:
+        return size
+    if start is not None and start < 0:  # the last -start bytes
+        return min(size, -start)
+    begin = start or 0
+    end = size if stop is None else min(size, stop)
+    return max(0, end - begin)
 
 
 def _is_loopback(remote: str | None) -> bool:

@@ -48,6 +48,8 @@ class Ready(_Event, tag="ready", frozen=True):
     experiment_id: str
     height: int
     roles: tuple[str, ...] = ()
+    #: Where ``--metrics-listen`` serves ``/metrics`` and the dashboard (None: not asked).
+    metrics_address: str | None = None
 
 
 class HeadAdopted(_Event, tag="adopted", frozen=True):

@@ -62,6 +62,8 @@ class FailureBook:
         self.limit = limit
         self.recent: deque[RoleError] = deque(maxlen=_KEPT)
         self._in_a_row: dict[str, list[RoleError]] = {}
+        #: Every role error since the node started.
+        self.total = 0
 
     def failed(self, role: str, window: int, step: str, exc: BaseException) -> RoleError:
         """Record ``exc``; the caller ends the role once :meth:`exhausted` says so."""
@@ -78,6 +80,7 @@ class FailureBook:
             exc_info=exc,
         )  # fmt: skip
         self.recent.append(error)
+        self.total += 1
         self._in_a_row.setdefault(role, []).append(error)
         return error
 

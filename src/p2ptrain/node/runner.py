@@ -25,6 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.core.certificate import CertifiedLink
+from p2ptrain.core.records import Attestation, Proposal
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
 from p2ptrain.node.events import NodeEvent
@@ -246,6 +247,8 @@ class RoleRunner:
         services = self.services
         if isinstance(effect, Publish):
             services.publish(effect.kind, effect.record, again=effect.again)
+            if not effect.again:
+                self._time_published(effect)
             self.published(effect)
         elif isinstance(effect, StoreBlob):
             services.store.blobs.put(effect.data)
@@ -265,11 +268,22 @@ class RoleRunner:
     def published(self, effect: Publish) -> None:
         """``effect`` went out (roles tell their events)."""
 
+    def _time_published(self, effect: Publish) -> None:
+        """A proposal or attestation of ours went out: the reduce or attest phase ended."""
+        record = getattr(effect.record, "record", None)
+        telemetry, now = self.services.telemetry, time.monotonic()
+        if isinstance(record, Proposal):
+            telemetry.proposed(record.window, now)
+        elif isinstance(record, Attestation):
+            telemetry.attested(record.height, now)
+
     async def _fetch(self, fetch: Fetch) -> None:
         """One try of ``fetch.request`` after its delay; the policy decides what follows."""
         if fetch.delay_s > 0:
             await asyncio.sleep(fetch.delay_s)
         request = fetch.request
+        if isinstance(request, WindowSync):  # past its deadline without a certificate
+            self.services.telemetry.window_failed(request.window, "deadline")
         try:
             answer = await self._answer(request)
         except TransportError as exc:
@@ -288,7 +302,7 @@ class RoleRunner:
         if isinstance(request, BlobFetch):
             update = request.update.record
             return await services.fetch_blob(
-                update.delta_blob, request.first, size=update.delta_bytes
+                update.delta_blob, request.first, size=update.delta_bytes, kind="update"
             )
         if isinstance(request, RecordFetch):
             signed = await services.fetch_update_record(request.update_id, request.proposer)
@@ -299,7 +313,9 @@ class RoleRunner:
             return await services.fetch_head_blobs(request.head, request.first)
         if isinstance(request, AggregateFetch):
             assert request.head.aggregate_blob is not None
-            return await services.fetch_blob(request.head.aggregate_blob, request.first)
+            return await services.fetch_blob(
+                request.head.aggregate_blob, request.first, kind="aggregate"
+            )
         if isinstance(request, WindowSync):
             return await services.sync_window(request.window, request.held)
         address = None if request.peer is None else services.net.address_of(request.peer)

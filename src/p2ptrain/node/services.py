@@ -36,6 +36,7 @@ from p2ptrain.node.events import NodeEvent, PeerReported
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.status import PeerReport
 from p2ptrain.node.storage import StorageHealth
+from p2ptrain.node.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import ACCEPTED, Admission
 from p2ptrain.protocol.role import RoleMachine
@@ -98,6 +99,8 @@ class PeerServices:
         self.admit: Callable[[Signed[Any]], Admission] = lambda _: ACCEPTED
         #: Set by the node: an update record a role keeps (its blob is that window's).
         self.on_update: Callable[[Update], None] = lambda _: None
+        #: The node's counters and timings (the node sets its own; this one is a spare).
+        self.telemetry = NodeTelemetry()
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         #: Whether local writes go through (a full disk is reported once, not per write).
@@ -195,10 +198,16 @@ class PeerServices:
     # -- fetching -------------------------------------------------------------------------
 
     async def download(
-        self, blob_id: str, first: Sequence[str] = (), size: int | None = None
+        self,
+        blob_id: str,
+        first: Sequence[str] = (),
+        size: int | None = None,
+        *,
+        kind: str = "other",
     ) -> FetchResult | None:
         """Fetch a blob into the store (verified by its hash) unless it is there already;
-        the fetch's figures, or None when nothing had to be fetched."""
+        the fetch's figures, or None when nothing had to be fetched. ``kind`` (update,
+        aggregate, state, shard) files its bytes in the node's telemetry."""
         if self.store.blobs.has(blob_id):
             return None
         providers = self.providers(first)
@@ -207,21 +216,28 @@ class PeerServices:
         assert self._fetcher is not None
         result = await self._fetcher.fetch(blob_id, providers, size=size)
         self.storage.succeeded()
+        moved = sum(result.bytes_by_provider.values())
+        self.telemetry.fetched(blob_id, kind, result.seconds, moved)
         return result
 
     async def fetch_blob(
-        self, blob_id: str, first: Sequence[str] = (), size: int | None = None
+        self,
+        blob_id: str,
+        first: Sequence[str] = (),
+        size: int | None = None,
+        *,
+        kind: str = "other",
     ) -> bytes:
-        await self.download(blob_id, first, size)
+        await self.download(blob_id, first, size, kind=kind)
         return bytes(self.store.blobs.get(blob_id))
 
     async def fetch_head_blobs(
         self, head: Head, first: Sequence[str] = ()
     ) -> tuple[bytes, bytes | None]:
-        weights = await self.fetch_blob(head.weights_blob, first)
+        weights = await self.fetch_blob(head.weights_blob, first, kind="state")
         optimizer = None
         if head.optimizer_blob is not None:
-            optimizer = await self.fetch_blob(head.optimizer_blob, first)
+            optimizer = await self.fetch_blob(head.optimizer_blob, first, kind="state")
         return weights, optimizer
 
     async def fetch_update_record(self, update_id: str, proposer: str) -> Signed[Update] | None:

@@ -117,6 +117,9 @@ class NodeSettings:
     serve_data: Path | None = None
     #: The most bytes of fetched shards a trainer keeps (least recently leased out first).
     data_cache_bytes: int = DEFAULT_DATA_CACHE_MB << 20
+    #: ``HOST:PORT`` of a listener of its own for ``/metrics`` and the dashboard (None:
+    #: ``/metrics`` answers loopback callers of the node's server only).
+    metrics_listen: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]

@@ -27,28 +27,32 @@ it adopted, then catches up with its peers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
+from prometheus_client.core import Metric
 
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed
-from p2ptrain.core.records import Head, MetricsReport, Proposal, Update
+from p2ptrain.core.records import Attestation, Head, MetricsReport, Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
+from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.collector import BlobCollector, CollectorStatistics
+from p2ptrain.node.dashboard import Snapshot, dashboard_routes, start_listener, write_peers
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
     HeadAdopted,
@@ -57,6 +61,7 @@ from p2ptrain.node.events import (
     Ready,
     RoleFailure,
     Stopped,
+    Trained,
     update_outcome,
 )
 from p2ptrain.node.failures import FailureBook, RoleFailed
@@ -75,10 +80,12 @@ from p2ptrain.node.status import (
     ValidationMetrics,
     encode_status,
 )
+from p2ptrain.node.telemetry import NodeTelemetry, node_families
 from p2ptrain.node.trainer_runner import TrainerRunner
+from p2ptrain.node.window_history import PeerView
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
-from p2ptrain.protocol.metrics import MetricsBook
+from p2ptrain.protocol.metrics import MetricsBook, median
 from p2ptrain.protocol.retention import KeepSet, pinned_blobs, unknown_grace_s
 from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.store.atomic import overwrite_in_place, write_atomically
@@ -146,6 +153,14 @@ class Node:
             emit=self._emit,
         )
         self.services.on_adopted = self._adopted
+        #: Counters, timings and the window history (status, /metrics, the dashboard).
+        self.telemetry = NodeTelemetry(settings.data_dir)
+        self.services.telemetry = self.telemetry
+        self.telemetry.blob_kind(self.manifest.genesis_weights, "state")
+        for shard in self.manifest.dataset.shards:
+            self.telemetry.blob_kind(shard.blob_id, "shard")
+        #: Where ``--metrics-listen`` serves (once the node runs).
+        self.metrics_address: str | None = None
         #: Deletes the blobs the node no longer needs (None: an archive node keeps all).
         self.collector: BlobCollector | None = None
         if not settings.archive:
@@ -234,7 +249,10 @@ class Node:
         handlers["/v1/window/"] = self._answer_window
         handlers["/v1/status"] = self._answer_status
         handlers["/v1/network"] = self._answer_network
-        async with net:
+        net.on_blob_bytes = self.telemetry.blob_bytes
+        net.metrics_text = self.metrics_text
+        net.extra_routes = dashboard_routes(self.dashboard_snapshot, self.metrics_text)
+        async with net, self._metrics_listener():
             net.serve_chain(self._serving().machine.chain)
             net.gossip.subscribe(self.services.topic, self._on_message, self._check_message)
             self._restore()
@@ -245,6 +263,7 @@ class Node:
                     experiment_id=self.experiment_id,
                     height=self.height,
                     roles=tuple(s.roles),
+                    metrics_address=self.metrics_address,
                 )
             )
             self._check_target()
@@ -305,6 +324,11 @@ class Node:
                     "move the data directory away and join again"
                 ) from exc
             self._stored_height = tip.height
+            self.telemetry.history.load()
+            parent: Head | None = None
+            for head, _ in links:
+                self.telemetry.count_head(head, parent)
+                parent = head
             for runner in self.runners:
                 actions = runner.machine.receive_chain(
                     now, links, weights, optimizer, self.identity.public_key
@@ -353,9 +377,14 @@ class Node:
             self._take_report(record)
             return  # beside the chain: no role machine has a use for it
         if not isinstance(record, CertifiedLink):
-            inner = record.record
+            inner, now = record.record, time.monotonic()
             if isinstance(inner, Update):
                 self.services.on_update(inner)  # its blob is that window's
+                self.telemetry.saw_update(record.record_id, inner, now)
+            elif isinstance(inner, Proposal):
+                self.telemetry.saw_proposal(inner.window, now)
+            elif isinstance(inner, Attestation):
+                self.telemetry.saw_attestation(inner.height, now)
             if self.settings.archive and isinstance(inner, Update | Proposal):
                 self.store.put_signed(
                     record.record_id,
@@ -382,6 +411,10 @@ class Node:
         report = signed.record
         if report.head_id != self._certified_at(report.height) or not self.metrics.add(report):
             return  # a duplicate, a full head, or a head not (or no longer) ours
+        losses = self.metrics.losses(report.head_id)
+        loss = median(losses)
+        if loss is not None:
+            self.telemetry.history.set_validation(report.head_id, loss, len(losses))
         try:
             self.store.put_report(signed)
         except Exception as exc:  # a report is worth a warning, never the node
@@ -414,6 +447,20 @@ class Node:
             if link is not None and link.certificate is not None:
                 self.store.put_link(link.head, link.certificate)
                 self._stored_height = height
+                before = machine.chain.at(height - 1)
+                self.telemetry.certified(
+                    link.head,
+                    link.head_id,
+                    None if before is None else before.head,
+                    link.certificate,
+                    reason=action.reason if height == head.height else "caught up",
+                    wire=self._wire_bytes(),
+                    now=time.monotonic(),
+                )
+                # reports that came while its weights were being fetched
+                losses = self.metrics.losses(link.head_id)
+                if (loss := median(losses)) is not None:
+                    self.telemetry.history.set_validation(link.head_id, loss, len(losses))
                 if not self.settings.archive:  # older windows' records are of no use now
                     self.store.prune_signed(self.experiment_id, height)
                 for waiting in self.metrics.certified(height, link.head_id):
@@ -533,23 +580,35 @@ class Node:
 
     # -- status ---------------------------------------------------------------------------
 
+    def _wire_bytes(self) -> tuple[int, int]:
+        """Bytes the node's connections sent and received: TCP payload as the kernel
+        counted it, or where it cannot, what the node pushed and gossiped and the uploads
+        it took in."""
+        meter = loop_meter()
+        if meter is not None:
+            return meter.totals()
+        if self._net is None:
+            return 0, 0
+        n = self._net.statistics()
+        sent = self._net.client.bytes_pushed + n.gossip.bytes_sent
+        return sent, 0 if n.server is None else n.server.bytes_received
+
     def status(self) -> NodeStatus:
         net = self._net
         serving = self._serving().machine
         adopted = max((r.machine for r in self.runners), key=lambda m: m.base.head.height)
         tip = serving.chain.tip
-        bytes_sent = bytes_received = peers = banned = 0
+        peers = banned = 0
         connections = Connections()
-        meter = loop_meter()
-        if meter is not None:
-            bytes_sent, bytes_received = meter.totals()
+        bytes_sent, bytes_received = self._wire_bytes()
+        telemetry = self.telemetry
+        sent, received = dict(telemetry.sent), dict(telemetry.received)
         if net is not None:
             n = net.statistics()
-            if meter is None:  # what the node pushed and gossiped, and the uploads it took in
-                bytes_sent = net.client.bytes_pushed + n.gossip.bytes_sent
-                bytes_received = 0 if n.server is None else n.server.bytes_received
             peers, banned = n.peers.peers, n.peers.banned
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
+            sent["gossip"] += n.gossip.bytes_sent
+            received["gossip"] += n.gossip_bytes_received
         reasons = [r.machine.last_reason for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         data = next(
@@ -580,7 +639,7 @@ class Node:
             trainer=trained,
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
-            wire_measured=meter is not None,
+            wire_measured=loop_meter() is not None,
             pid=os.getpid(),
             storage=self.services.storage.problem,
             store_blobs=usage.blobs,
@@ -591,6 +650,17 @@ class Node:
             keep_heads=None if self.collector is None else self.collector.keep_heads,
             validation=self._validation(),
             data=data,
+            windows_certified=telemetry.windows_certified,
+            windows_failed=dict(telemetry.windows_failed),
+            updates_accepted=telemetry.updates_accepted,
+            updates_rejected=dict(telemetry.updates_rejected),
+            quarantined_peers=sum(
+                1 for e in tip.head.quarantine if e.until_window > tip.head.height
+            ),
+            bytes_sent_by_kind=sent,
+            bytes_received_by_kind=received,
+            role_errors=self.failures.total,
+            metrics_address=self.metrics_address,
         )
 
     def _validation(self) -> ValidationMetrics | None:
@@ -607,6 +677,12 @@ class Node:
     def _write_status(self, status: NodeStatus) -> None:
         """Replace the status file; on a full disk, overwrite it in place (its blocks are
         held already: the file is padded to whole pages), so the status still says why."""
+        try:
+            self.telemetry.history.save()
+            write_peers(self.settings.data_dir, self._peer_views())
+        except (LocalError, OSError) as exc:
+            if not self.services.storage.check("writing the window history", exc):
+                logger.warning("%s", exc)
         path = self.settings.data_dir / STATUS_FILE
         data = encode_status(status)
         data += b" " * (-len(data) % _STATUS_PAGE)
@@ -647,8 +723,68 @@ class Node:
         body = bytes(self.network.envelope.encode())
         return Answer(200, {"Content-Type": "application/msgpack"}, body)
 
+    # -- metrics and the dashboard --------------------------------------------------------
+
+    def metrics_text(self) -> bytes:
+        """``/metrics``: the training figures of one status snapshot, the network's own,
+        and the phase histograms."""
+        status = self.status()
+
+        def families() -> list[Metric]:
+            net = [] if self._net is None else list(self._net.metric_families())
+            return [*node_families(status), *net]
+
+        return exposition(families, self.telemetry.registry)
+
+    def dashboard_snapshot(self) -> Snapshot:
+        return Snapshot(
+            status=self.status(),
+            peers=self._peer_views(),
+            windows=self.telemetry.history.records(),
+        )
+
+    def _peer_views(self) -> tuple[PeerView, ...]:
+        net = self._net
+        peers: list[PeerView] = []
+        if net is not None:
+            now = time.monotonic()
+            connected = net.gossip.connections
+            for signed in net.peers:
+                record = signed.record
+                peers.append(
+                    PeerView(
+                        peer_id=record.peer_id,
+                        roles=tuple(record.roles),
+                        connected=record.peer_id in connected,
+                        banned=net.peers.banned(record.peer_id, now),
+                        address=record.addresses[0] if record.addresses else None,
+                    )
+                )
+        return tuple(peers)
+
+    @contextlib.asynccontextmanager
+    async def _metrics_listener(self) -> AsyncIterator[None]:
+        """``--metrics-listen``: ``/metrics`` and the dashboard on a listener of their own
+        (no credentials asked: the operator chose who can reach it)."""
+        where = self.settings.metrics_listen
+        if where is None:
+            yield
+            return
+        listener = await start_listener(where, self.dashboard_snapshot, self.metrics_text)
+        self.metrics_address = listener.address
+        try:
+            yield
+        finally:
+            await listener.stop()
+
     def _emit(self, event: NodeEvent) -> None:
+        now = time.monotonic()
+        if isinstance(event, Trained):
+            self.telemetry.trained(event.window, event.inner_seconds or event.seconds, now)
+        elif isinstance(event, RoleFailure):
+            self.telemetry.window_failed(event.window, "role_error")
         if isinstance(event, Published):
+            self.telemetry.published(event.window, now)
             self._published[event.window] = event.update_id
         if self._on_event is not None:
             self._on_event(event)

@@ -187,6 +187,50 @@ class NodeStatus(_Record, frozen=True):
     #: A trainer's training data: its kind, what it is, where it lives, and for prepared
     #: shards what the node holds and fetched.
     data: DataStatus | None = None
+    #: Certified windows in the node's verified chain, the updates its heads accepted and
+    #: rejected (by the reason's label), and the windows that failed here (by reason);
+    #: ``/metrics`` reports the same figures (:mod:`p2ptrain.node.telemetry`).
+    windows_certified: int = 0
+    windows_failed: dict[str, int] = msgspec.field(default_factory=dict)
+    updates_accepted: int = 0
+    updates_rejected: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Peers the tip's quarantine book keeps out of the next window.
+    quarantined_peers: int = 0
+    #: Bytes moved by kind (update, aggregate, state, shard, gossip, other): blobs as
+    #: fetched, pushed and served, gossip as framed.
+    bytes_sent_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_received_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Role errors since the node started.
+    role_errors: int = 0
+    #: Where ``--metrics-listen`` serves ``/metrics`` and the dashboard (None: not asked).
+    metrics_address: str | None = None
+
+    def tallies(self) -> list[tuple[str, str]]:
+        """The counters in words, label first: windows, updates, bytes by kind, metrics
+        (``p2ptrain status`` and its ``--watch`` view show them)."""
+
+        def by_reason(counts: dict[str, int]) -> str:
+            return ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
+
+        failed = sum(self.windows_failed.values())
+        windows = f"{self.windows_certified} certified"
+        if failed:
+            windows += f"; {failed} failed here ({by_reason(self.windows_failed)})"
+        rejected = sum(self.updates_rejected.values())
+        updates = f"{self.updates_accepted} accepted, {rejected} rejected"
+        if rejected:
+            updates += f" ({by_reason(self.updates_rejected)})"
+        lines = [("windows", windows), ("updates", updates)]
+        for direction, counts in (
+            ("sent", self.bytes_sent_by_kind),
+            ("received", self.bytes_received_by_kind),
+        ):
+            moved = [f"{kind} {n / 2**20:.2f}" for kind, n in counts.items() if n]
+            if moved:
+                lines.append((f"MiB {direction}", ", ".join(moved)))
+        if self.metrics_address is not None:
+            lines.append(("metrics", f"{self.metrics_address}/metrics and dashboard at /"))
+        return lines
 
     @property
     def reasons(self) -> list[str]:

@@ -222,7 +222,7 @@ class TrainerRunner(RoleRunner):
             started = time.monotonic()
 
             async def fetch(shard: ShardInfo) -> int:
-                result = await self.services.download(shard.blob_id, size=shard.bytes)
+                result = await self.services.download(shard.blob_id, size=shard.bytes, kind="shard")
                 downloaded = 0 if result is None else sum(result.bytes_by_provider.values())
                 cache.fetched(shard, downloaded)
                 return downloaded
@@ -332,7 +332,9 @@ class TrainerRunner(RoleRunner):
         for attempt in range(FETCH_ATTEMPTS):
             for address in services.providers():
                 try:
-                    await services.net.client.push_blob(address, blob_id, path)
+                    if await services.net.client.push_blob(address, blob_id, path):
+                        size = path.stat().st_size
+                        services.telemetry.count_bytes("sent", "update", size)
                     return
                 except (TransportError, ProtocolViolation) as exc:
                     errors.append(f"{address}: {exc}")

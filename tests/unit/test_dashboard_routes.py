@@ -1,0 +1,107 @@
+"""The dashboard's routes on an in-process aiohttp server: the page and its files, the
+snapshot, the event stream, ``/metrics`` and the listener's address rules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web import Application
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2ptrain.errors import LocalError
+from p2ptrain.net.net_metrics import exposition
+from p2ptrain.node.dashboard import Snapshot, dashboard_routes, parse_listen, start_listener
+from p2ptrain.node.status import NodeStatus
+from p2ptrain.node.telemetry import node_families
+
+
+def _status(height: int) -> NodeStatus:
+    return NodeStatus(
+        peer_id="p" * 64,
+        roles=("seed",),
+        address=None,
+        experiment_id="e" * 64,
+        height=height,
+        head_id="h" * 64,
+        adopted_head_id="h" * 64,
+        windows_certified=height,
+    )
+
+
+def test_the_page_its_files_the_snapshot_and_its_events() -> None:
+    heights = iter(range(1, 1000))
+    status = [_status(next(heights))]
+
+    def snapshot() -> Snapshot:
+        return Snapshot(status=status[0])
+
+    def metrics() -> bytes:
+        return exposition(lambda: list(node_families(status[0])))
+
+    async def scenario() -> dict[str, object]:
+        app = Application()
+        app.router.add_routes(dashboard_routes(snapshot, metrics))
+        seen: dict[str, object] = {}
+        async with TestClient(TestServer(app)) as client:
+            page = await client.get("/")
+            seen["page"] = (page.status, page.content_type, await page.text())
+            script = await client.get("/dashboard/dashboard.js")
+            seen["script"] = (script.status, script.content_type)
+            missing = await client.get("/dashboard/../../etc/passwd")
+            seen["missing"] = missing.status
+            unknown = await client.get("/dashboard/secret.txt")
+            seen["unknown"] = unknown.status
+            answer = await client.get("/api/snapshot")
+            seen["snapshot"] = json.loads(await answer.text())
+            text = await (await client.get("/metrics")).text()
+            seen["metrics"] = {f.name: f.type for f in text_string_to_metric_families(text)}
+            events = await client.get("/api/events")
+            seen["events_type"] = events.content_type
+            first = await asyncio.wait_for(events.content.readuntil(b"\r\n\r\n"), 10)
+            status[0] = _status(next(heights) + 41)  # the node moved on: a new event follows
+            second = await asyncio.wait_for(events.content.readuntil(b"\r\n\r\n"), 10)
+            seen["events"] = [first.decode(), second.decode()]
+            events.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    status_code, content_type, body = seen["page"]  # type: ignore[misc]
+    assert (status_code, content_type) == (200, "text/html")
+    assert "/dashboard/dashboard.js" in body and "viewport" in body
+    assert seen["script"] == (200, "text/javascript")
+    assert seen["missing"] == 404 and seen["unknown"] == 404
+    assert seen["snapshot"]["status"]["height"] == 1  # type: ignore[index]
+    assert seen["metrics"]["p2ptrain_windows_certified"] == "counter"  # type: ignore[index]
+    assert seen["events_type"] == "text/event-stream"
+    first, second = seen["events"]  # type: ignore[misc]
+    assert first.startswith("event: snapshot\r\n") and '"height":1' in first
+    assert '"height":43' in second
+
+
+@pytest.mark.parametrize("where", ["9100", "localhost", "host:port", ":80", "h:99999"])
+def test_a_listen_address_is_host_and_port(where: str) -> None:
+    with pytest.raises(LocalError, match="give HOST:PORT"):
+        parse_listen(where)
+
+
+def test_listen_addresses_parse() -> None:
+    assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_listen("[::1]:9100") == ("::1", 9100)
+
+
+def test_a_port_in_use_is_refused_with_what_to_do() -> None:
+    async def scenario() -> str:
+        first = await start_listener("127.0.0.1:0", lambda: Snapshot(status=_status(1)), None)
+        try:
+            port = first.address.rsplit(":", 1)[1]
+            with pytest.raises(LocalError) as refused:
+                await start_listener(f"127.0.0.1:{port}", lambda: Snapshot(status=_status(1)), None)
+            return str(refused.value)
+        finally:
+            await first.stop()
+
+    message = asyncio.run(scenario())
+    assert "--metrics-listen" in message and "cannot listen there" in message

@@ -1,0 +1,208 @@
+"""The window history and the telemetry's counters: hand-built heads, certificates and
+updates, and the figures they must give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2ptrain.core.certificate import QuorumCertificate, ValidatorSignature
+from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.records import Head, QuarantineEntry, Update
+from p2ptrain.net.net_metrics import exposition
+from p2ptrain.node.status import NodeStatus
+from p2ptrain.node.telemetry import NodeTelemetry, node_families
+from p2ptrain.node.window_history import (
+    MAX_REASON_LABELS,
+    WindowHistory,
+    read_history,
+    reason_label,
+    rejections,
+)
+
+EXPERIMENT = "e" * 64
+KEYS = [bytes([i]) * 32 for i in range(1, 5)]
+PEERS = [peer_id_of(k) for k in KEYS]
+
+
+def _head(height: int, accepted: tuple[str, ...] = (), quarantine: tuple = ()) -> Head:
+    return Head(
+        experiment_id=EXPERIMENT,
+        height=height,
+        parent=None if height == 0 else f"{height - 1:064x}",
+        weights_blob=f"{height + 100:064x}",
+        optimizer_blob=None,
+        accepted=accepted,
+        quarantine=tuple(sorted(quarantine, key=lambda q: q.peer_id)),
+        aggregate_blob=None if height == 0 else f"{height + 200:064x}",
+    )
+
+
+def _certificate(height: int, signers: list[bytes]) -> QuorumCertificate:
+    return QuorumCertificate(
+        experiment_id=EXPERIMENT,
+        height=height,
+        head_id=f"{height:064x}",
+        signatures=tuple(ValidatorSignature(validator=k, signature=b"s" * 64) for k in signers),
+    )
+
+
+def _update(trainer: bytes, window: int, loss: float, blob: int) -> Update:
+    return Update(
+        experiment_id=EXPERIMENT,
+        window=window,
+        base_head=f"{window - 1:064x}",
+        trainer=trainer,
+        lease_shards=("a" * 64,),
+        lease_samples=8,
+        delta_blob=f"{blob:064x}",
+        delta_bytes=100,
+        codec="int8",
+        loss_before=loss + 1,
+        loss_after=loss,
+    )
+
+
+def _entry(peer: str, strikes: int, until: int = 0, reason: str = "") -> QuarantineEntry:
+    return QuarantineEntry(peer_id=peer, until_window=until, reason=reason, strikes=strikes)
+
+
+def test_rejections_are_the_entries_a_head_struck_again() -> None:
+    parent = _head(1, quarantine=(_entry(PEERS[0], 1, reason="rejected: norm"),))
+    head = _head(
+        2,
+        quarantine=(
+            _entry(PEERS[0], 1, reason="rejected: norm"),  # unchanged: not this window's
+            _entry(PEERS[1], 1, reason="rejected: update norm 1e3 exceeds 3.2"),
+        ),
+    )
+    assert [e.peer_id for e in rejections(head, parent)] == [PEERS[1]]
+    assert [e.peer_id for e in rejections(parent, None)] == [PEERS[0]]
+    # the third strike quarantines: strikes start again from 0, offences count one more
+    third = _head(
+        3,
+        quarantine=(
+            QuarantineEntry(
+                peer_id=PEERS[1], until_window=8, reason="3 in a row", strikes=0, offences=1
+            ),
+        ),
+    )
+    struck_twice = _head(2, quarantine=(_entry(PEERS[1], 2, reason="rejected: norm"),))
+    assert [e.peer_id for e in rejections(third, struck_twice)] == [PEERS[1]]
+    lapsed = _head(4, quarantine=(_entry(PEERS[1], 1, reason="rejected: norm"),))
+    assert rejections(lapsed, struck_twice) == []  # a strike lapsed: nothing rejected
+
+
+def test_reason_labels_are_short_and_bounded() -> None:
+    assert reason_label("rejected: norm 1007.60x the cohort median exceeds 3.0x") == (
+        "norm_cohort_median"
+    )
+    assert reason_label("3 rejected updates in a row (last: norm 8x)") == "rejected_updates_row"
+    assert reason_label("") == "unspecified"
+    known = [f"kind_{chr(ord('a') + i)}" for i in range(MAX_REASON_LABELS)]
+    assert reason_label("something new", known) == "other"
+    assert reason_label("kind c: with details 3.5", known) == "kind_c"
+
+
+def test_a_window_record_tells_each_updates_fate(tmp_path: Path) -> None:
+    telemetry = NodeTelemetry(tmp_path)
+    good = _update(KEYS[0], 1, 2.5, 1)
+    bad = _update(KEYS[1], 1, 9.0, 2)
+    late = _update(KEYS[2], 1, 2.6, 3)
+    for i, update in enumerate((good, bad, late)):
+        telemetry.saw_update(f"{i + 1:064x}", update, now=10.0 + i)
+    telemetry.trained(1, 4.0, now=11.0)
+    telemetry.published(1, now=11.5)
+    telemetry.saw_proposal(1, now=13.0)
+    telemetry.attested(1, now=13.25)
+    why = "rejected: update norm 850 exceeds the bound 12 (robust screening)"
+    head = _head(1, accepted=(f"{1:064x}",), quarantine=(_entry(PEERS[1], 1, 3, why),))
+    telemetry.certified(
+        head,
+        "h" * 64,
+        _head(0),
+        _certificate(1, KEYS[2:4]),
+        reason="certified",
+        wire=(1000, 5000),
+        now=14.0,
+    )
+    (record,) = telemetry.history.records()
+    assert record.signers == (PEERS[2], PEERS[3])
+    fates = {u.trainer: (u.outcome, u.reason, u.loss_after) for u in record.updates}
+    assert fates[PEERS[0]] == ("accepted", "", 2.5)
+    assert fates[PEERS[1]] == (
+        "rejected",
+        "update norm 850 exceeds the bound 12 (robust screening)",
+        9.0,
+    )
+    assert fates[PEERS[2]][0] == "left out"
+    assert [q.peer for q in record.quarantine] == [PEERS[1]]
+    assert record.phases == {"train": 4.0, "publish": 0.5, "attest": 0.25, "certify": 0.75}
+    assert (record.bytes_sent, record.bytes_received) == (1000, 5000)
+    assert record.reason == "certified"
+    assert telemetry.windows_certified == 1 and telemetry.updates_accepted == 1
+    assert telemetry.updates_rejected == {"update_norm_exceeds": 1}
+
+    telemetry.history.set_validation("h" * 64, 2.25, 1)
+    telemetry.history.save()
+    (kept,) = read_history(tmp_path / "history.json")
+    assert (kept.validation_loss, kept.validation_reports) == (2.25, 1)
+    again = WindowHistory(tmp_path)
+    again.load()
+    again.add(kept)  # a restart adopts the stored tip again: kept once
+    assert len(again.records()) == 1
+
+
+def test_a_history_file_that_does_not_read_is_started_anew(tmp_path: Path) -> None:
+    (tmp_path / "history.json").write_text("{not json")
+    assert read_history(tmp_path / "history.json") == []
+    assert read_history(tmp_path / "missing.json") == []
+
+
+def test_bytes_are_filed_by_the_kind_of_blob() -> None:
+    telemetry = NodeTelemetry()
+    telemetry.blob_kind("b" * 64, "aggregate")
+    telemetry.blob_bytes("sent", "b" * 64, 300)
+    telemetry.blob_bytes("sent", "c" * 64, 7)  # never named: other
+    telemetry.fetched("d" * 64, "shard", 0.5, 1200)
+    telemetry.count_bytes("received", "nonsense", 5)
+    assert telemetry.sent["aggregate"] == 300 and telemetry.sent["other"] == 7
+    assert telemetry.received["shard"] == 1200 and telemetry.received["other"] == 5
+    telemetry.window_failed(4, "deadline")
+    telemetry.window_failed(4, "deadline")  # once per window
+    telemetry.window_failed(5, "deadline")
+    assert telemetry.windows_failed == {"deadline": 2}
+
+
+@pytest.mark.parametrize("with_trainer", [False, True])
+def test_every_family_is_typed_and_explained(with_trainer: bool) -> None:
+    telemetry = NodeTelemetry()
+    telemetry.phase(1, "train", 2.0)
+    status = NodeStatus(
+        peer_id="p" * 64,
+        roles=("trainer",),
+        address=None,
+        experiment_id=EXPERIMENT,
+        height=7,
+        head_id="h" * 64,
+        adopted_head_id="h" * 64,
+        windows_certified=7,
+        updates_accepted=12,
+        updates_rejected={"update_norm": 2},
+        bytes_sent_by_kind={"update": 10, "gossip": 3},
+        bytes_received_by_kind={"state": 99},
+    )
+    text = exposition(lambda: list(node_families(status)), telemetry.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        assert family.type != "unknown" and family.documentation, family.name
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value for f in families.values() for s in f.samples
+    }
+    assert samples["p2ptrain_height", ()] == 7
+    assert samples["p2ptrain_windows_certified_total", ()] == 7
+    assert samples["p2ptrain_updates_rejected_total", (("reason", "update_norm"),)] == 2
+    assert samples["p2ptrain_bytes_sent_total", (("kind", "update"),)] == 10
+    assert samples["p2ptrain_phase_seconds_count", (("phase", "train"),)] == 1
