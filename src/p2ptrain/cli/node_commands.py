@@ -106,6 +106,18 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     status.add_argument("--secret-file", help="the network secret, for a private network")
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="a live view, read again every --interval seconds until Ctrl-C (a target that "
+        "is not up yet is waited for)",
+    )
+    status.add_argument(
+        "--interval",
+        type=float,
+        metavar="SECONDS",
+        help="with --watch: seconds between two reads (default 2, at least 1)",
+    )
     status.set_defaults(handler=run_status)
 
     export = commands.add_parser(
@@ -176,6 +188,12 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
     )
     parser.add_argument("--relay", help="a seed that relays requests to this private node")
     parser.add_argument("--secret-file", help="file holding a private network's secret")
+    parser.add_argument(
+        "--metrics-listen",
+        help="HOST:PORT of a listener of its own for /metrics and the dashboard, answered "
+        "without credentials (default: none; the node's server answers /metrics to loopback "
+        "only, and its dashboard at / to loopback, or to everyone on an open network)",
+    )
     parser.add_argument("--windows", type=int, help="stop once this many windows are certified")
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--mdns", action="store_true", default=None, help="find peers on the LAN")
@@ -339,6 +357,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         evaluate=bool(pick("evaluate", False)),
         serve_data=None if pick("data") is None else Path(pick("data")),
         data_cache_bytes=int(float(pick("data_cache_mb", DEFAULT_DATA_CACHE_MB)) * (1 << 20)),
+        metrics_listen=pick("metrics_listen"),
     )
 
 
@@ -417,10 +436,30 @@ def _describe_event(event: NodeEvent) -> str | None:
 
 def run_status(args: argparse.Namespace) -> int:
     target: str = args.target
-    if target.startswith(("http://", "https://")):
-        status = asyncio.run(_remote_status(target, _secret(args.secret_file)))
-    else:
-        status = read_status(Path(target))
+    secret = _secret(args.secret_file) if target.startswith(("http://", "https://")) else None
+
+    def read() -> NodeStatus:
+        if target.startswith(("http://", "https://")):
+            return asyncio.run(_remote_status(target, secret))
+        return read_status(Path(target))
+
+    if args.watch:
+        from rich.console import Console
+
+        from p2ptrain.cli.status_watch import MIN_INTERVAL_S, run_watch
+
+        if args.json:
+            raise LocalError(
+                "--watch shows a live view and --json prints one status: give one of them "
+                "(for JSON every few seconds, run `p2ptrain status --json` in a loop)"
+            )
+        interval = 2.0 if args.interval is None else args.interval
+        if not MIN_INTERVAL_S <= interval < float("inf"):
+            raise LocalError(f"--interval {args.interval}: use {MIN_INTERVAL_S:g} second or more")
+        return run_watch(read, target=target, interval_s=interval, console=Console())
+    if args.interval is not None:
+        raise LocalError("--interval sets how often --watch reads the status: add --watch")
+    status = read()
     if args.json:
         from p2ptrain.node.status import encode_status
 
@@ -481,6 +520,7 @@ def describe_status(status: NodeStatus) -> list[str]:
         f"store      {status.store_blobs} blobs, {mib(status.store_bytes)}; keeps {kept}; "
         f"collected {status.blobs_collected} ({mib(status.bytes_collected)}){failed}"
     )
+    lines += [f"{label:<10} {text}" for label, text in status.tallies()]
     for error in status.errors[-5:]:
         lines.append(f"error      {error.role}, {error.describe()}")
     if status.storage is not None:
