@@ -1,10 +1,12 @@
 """``p2ptrain demo --json`` reports what its trainers measured: bytes sent and received on
 their connections (the kernel's count) and the share of their time spent in inner steps.
 It runs with ``--staleness 1`` (trainers train ahead of the certified chain), and the
-trainers follow the chain by applying each head's aggregate themselves."""
+trainers follow the chain by applying each head's aggregate themselves. The validation loss
+after each window, with its time and bytes, is in the JSON and drawn in loss.png."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -34,6 +36,23 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
     assert summary["bytes_per_trainer"] == sent + received
     assert summary["ddp_bytes_formula"].startswith("ring all-reduce")
     assert 0 < summary["compute_utilisation"] <= 1
+    # the loss curve: genesis, then every certified window, later and dearer than the last
+    curve = summary["val_loss_curve"]
+    assert [point["height"] for point in curve][:4] == [0, 1, 2, 3]
+    assert curve[0]["val_loss"] == summary["genesis_val_loss"]
+    if curve[-1]["height"] == summary["windows_certified"]:  # the seed may certify one more
+        assert curve[-1]["val_loss"] == summary["val_loss"]
+    for before, after in itertools.pairwise(curve):
+        assert after["seconds"] > before["seconds"]
+    # (None: a trainer had not written its status yet when the window was certified)
+    spent = [p["bytes_per_trainer"] for p in curve if p["bytes_per_trainer"] is not None]
+    assert spent == sorted(spent)
+    assert len(spent) >= 2  # genesis and a window at least
+    assert spent[-1] <= summary["bytes_per_trainer"]
+    # ... drawn beside the export
+    png = Path(summary["loss_png"])
+    assert png.parent == Path(summary["checkpoint"]).parent
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     for trainer in ("trainer-0", "trainer-1"):
         status = json.loads((tmp_path / "demo" / trainer / "status.json").read_text())
         statistics = status["role_states"][0]["statistics"]

@@ -147,6 +147,21 @@ def test_ddp_equivalent_replays_the_trainers_minibatches() -> None:
     assert not workload.optimizer_state()  # the workload's own optimizer was not used
 
 
+def test_ddp_equivalent_tells_the_loss_after_each_window() -> None:
+    windows = [[list(range(0, 32)), list(range(32, 64))], [list(range(16, 48)), list(range(48))]]
+    seen: list[tuple[int, float]] = []
+    loss = ddp_equivalent(
+        _workload(lr=0.02),
+        windows,
+        steps=4,
+        seed_of=lambda w, t: 10 * w + t,
+        on_window=lambda w, value: seen.append((w, value)),
+    )
+    # evaluating in between leaves the training as it was: each loss is a shorter replay's
+    first = ddp_equivalent(_workload(lr=0.02), windows[:1], steps=4, seed_of=lambda w, t: t)
+    assert seen == [(1, first), (2, loss)]
+
+
 def test_ddp_bytes_per_worker_is_a_ring_all_reduce() -> None:
     assert ddp_bytes_per_worker(1000, steps=10, workers=4) == 10 * 2 * 3 * 1000 * 4 // 4
     assert ddp_bytes_per_worker(1000, steps=10, workers=1) == 0

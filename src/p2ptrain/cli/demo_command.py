@@ -10,6 +10,14 @@ received (its TCP connections, as the kernel counted them) with what DDP's ring 
 would send and receive by formula; and says how much of its time each trainer spent in inner
 steps (compute utilisation) rather than waiting for the network.
 
+``loss.png`` beside the export draws the certified model's validation loss after each window
+against the seconds since every node was ready (training started; the nodes' start-up is not
+counted) and the bytes each trainer had sent and received by then (its ``status.json`` when
+the seed adopted the window), with the baseline's loss after each window (at the seconds
+its replay had trained for in this process, and DDP's bytes by formula). The seed keeps
+every certified head (``--keep-heads``) so that each is evaluated once the nodes stopped,
+not while they train.
+
 The demo owns its nodes: it refuses a work directory where a node still runs (it would wipe
 that node's data), and SIGINT, SIGTERM or SIGHUP stop every node (SIGINT, then SIGKILL for a
 node that does not stop in time; a second signal SIGKILLs them at once) before it exits with
@@ -27,7 +35,8 @@ import signal
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -51,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "run_demo"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOSS_PNG = "loss.png"
 #: How long the nodes get to stop cleanly once a signal stopped the demo.
 SIGNAL_STOP_S = 5.0
 
@@ -214,8 +224,11 @@ def _run(
         console.print(f"the experiment sets {effective['inner_steps']} inner steps a window")
     code = ["--workload", experiment.code] if is_reference(experiment.code) else []
     trainers = [f"trainer-{i}" for i in range(args.trainers)]
+    certified: list[_Certified] = []
     try:
-        network.start("seed", "seed", args=["--experiment-toml", str(path), *code])
+        # the seed keeps every head the demo certifies (and one more), evaluated afterwards
+        keep = ["--keep-heads", str(args.windows + 2)]
+        network.start("seed", "seed", args=["--experiment-toml", str(path), *keep, *code])
         network.wait_ready(["seed"])
         # everyone at once: a reducer that opened window 1 long before the trainers could
         # train it would close it at its deadline with whoever was done by then
@@ -226,7 +239,17 @@ def _run(
             network.start(name, "trainer", args=code)
         network.wait_ready([name for name in network.nodes if name != "seed"])
         console.print(f"every node is ready: {len(network.nodes)} processes")
-        trained = _follow(network, args.windows, console, per_window_s=deadline_s + 60)
+        ready = time.monotonic()  # the loss curve's clock: training starts
+
+        def certify(event: HeadAdopted) -> None:
+            spent = _bytes_per_trainer(network.workdir, trainers)
+            certified.append(
+                _Certified(event.height, event.head_id, time.monotonic() - ready, spent)
+            )
+
+        trained = _follow(
+            network, args.windows, console, per_window_s=deadline_s + 60, on_certified=certify
+        )
     except _StopSignal as stop:
         console.print(f"{stop}: stopping every node")
         network.stop(timeout_s=SIGNAL_STOP_S)
@@ -234,7 +257,7 @@ def _run(
     finally:
         network.stop()
     network_s = time.monotonic() - started
-    summary = _summarise(network, trainers, args, experiment, console=console)
+    summary = _summarise(network, trainers, args, experiment, certified, console=console)
     summary["compute_utilisation"] = mean_utilisation(trained.values())
     summary["network_seconds"] = round(network_s, 1)
     summary["seconds"] = round(time.monotonic() - started, 1)
@@ -297,11 +320,37 @@ def _stop_on_signals(network: LocalNetwork) -> Iterator[None]:
             signal.signal(stop, handler)
 
 
+@dataclass(frozen=True)
+class _Certified:
+    """A window the seed certified: when (seconds since every node was ready), and the
+    mean bytes a trainer had sent and received by then (None: a status was unreadable)."""
+
+    height: int
+    head_id: str
+    seconds: float
+    bytes_per_trainer: int | None
+
+
+def _bytes_per_trainer(workdir: Path, trainers: list[str]) -> int | None:
+    """The mean bytes (sent + received) of the trainers' last status files."""
+    from p2ptrain.node.status import read_status
+
+    try:
+        statuses = [read_status(workdir / name) for name in trainers]
+    except LocalError:
+        return None  # a trainer has not written its status yet
+    return sum(s.bytes_sent + s.bytes_received for s in statuses) // len(statuses)
+
+
 def _follow(
-    network: Any, windows: int, console: Any, per_window_s: float
+    network: Any,
+    windows: int,
+    console: Any,
+    per_window_s: float,
+    on_certified: Callable[[HeadAdopted], None],
 ) -> dict[str, list[Trained]]:
-    """Show progress until the seed adopts ``windows`` heads; return each trainer's
-    ``trained`` events."""
+    """Show progress until the seed adopts ``windows`` heads (``on_certified`` is told of
+    each); return each trainer's ``trained`` events."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     reached = [0]
@@ -325,6 +374,7 @@ def _follow(
                 losses.setdefault(event.window, []).append((event.loss_before, event.loss_after))
                 progress.update(task, description=f"{name} trained window {event.window}")
             elif isinstance(event, HeadAdopted) and name == "seed":
+                on_certified(event)
                 height = reached[0] = event.height
                 pairs = losses.get(height, [])
                 loss = ""
@@ -355,6 +405,7 @@ def _summarise(
     trainers: list[str],
     args: argparse.Namespace,
     experiment: DemoExperiment,
+    certified: list[_Certified],
     *,
     console: Any,
 ) -> dict[str, Any]:
@@ -399,6 +450,10 @@ def _summarise(
         "parameters per step, sent and as much received",
         "checkpoint": exported["checkpoint"],
         "export_hf": None,
+        "val_loss_curve": _loss_curve(seed_dir, certified, workload, genesis_val_loss, console),
+        "baseline_seconds": None,
+        "baseline_curve": [],
+        "loss_png": None,
         "workload": experiment.code,
         "parameters": parameters,
         "trainers": len(trainers),
@@ -411,13 +466,36 @@ def _summarise(
             [lease_indices(manifest.dataset, lease_for(manifest, w, p)) for p in peer_ids]
             for w in range(1, height + 1)
         ]
+        replayed = build()
+        replay_started = time.monotonic()
+        curve: list[dict[str, Any]] = [summary["val_loss_curve"][0]]  # genesis: the same
+        evaluating = [0.0]  # seconds spent evaluating, not training
+
+        def baseline_window(window: int, loss: float) -> None:
+            now = time.monotonic()
+            each_way = ddp_bytes_per_worker(
+                parameters, window * manifest.inner_steps, len(trainers)
+            )
+            curve.append(
+                {
+                    "height": window,
+                    "seconds": round(now - replay_started - evaluating[0], 1),
+                    "bytes_per_trainer": 2 * each_way,
+                    "val_loss": round(loss, 4),
+                }
+            )
+            evaluating[0] += time.monotonic() - now
+
         baseline = ddp_equivalent(
-            build(),
+            replayed,
             windows,
             steps=manifest.inner_steps,
             seed_of=lambda w, t: window_seed(peer_ids[t], w + 1),
             lr_scale=manifest.inner_optimizer.lr_scale,
+            on_window=baseline_window,
         )
+        summary["baseline_curve"] = curve
+        summary["baseline_seconds"] = curve[-1]["seconds"]
         summary["baseline_val_loss"] = round(baseline, 4)
         summary["val_loss_ratio"] = round(val_loss / baseline, 4)
     if hasattr(getattr(workload, "model", None), "save_pretrained"):  # a Hugging Face model
@@ -426,7 +504,60 @@ def _summarise(
     summary["bytes_ratio"] = round(
         summary["ddp_bytes_per_trainer"] / max(1, summary["bytes_per_trainer"]), 1
     )
+    summary["loss_png"] = _plot_loss(network.workdir / LOSS_PNG, summary, console)
     return summary
+
+
+def _loss_curve(
+    seed_dir: Path,
+    certified: list[_Certified],
+    workload: Any,
+    genesis_val_loss: float,
+    console: Any,
+) -> list[dict[str, Any]]:
+    """The validation loss of the genesis weights (at 0 s and 0 bytes), then of each head
+    the seed certified, with when and what it cost (the seed keeps every head for this; one
+    it no longer holds is left out, with a note)."""
+    from p2ptrain.node.export import canonical_weights
+
+    genesis: dict[str, Any] = {"height": 0, "seconds": 0.0, "bytes_per_trainer": 0}
+    curve = [{**genesis, "val_loss": round(genesis_val_loss, 4)}]
+    for window in certified:
+        try:
+            *_, weights = canonical_weights(seed_dir, window.head_id)
+        except LocalError as exc:
+            console.print(f"[yellow]loss curve: window {window.height} left out: {exc}")
+            continue
+        curve.append(
+            {
+                "height": window.height,
+                "seconds": round(window.seconds, 1),
+                "bytes_per_trainer": window.bytes_per_trainer,
+                "val_loss": round(workload.evaluate(weights), 4),
+            }
+        )
+    return curve
+
+
+def _plot_loss(path: Path, summary: dict[str, Any], console: Any) -> str | None:
+    """Draw ``loss.png`` from the summary's curve and baseline; its path (None, with a
+    note, when matplotlib is not installed)."""
+    from p2ptrain.cli.loss_plot import NO_MATPLOTLIB, LossPoint, can_plot, plot_loss
+
+    if not can_plot():
+        console.print(NO_MATPLOTLIB)
+        return None
+    certified = [
+        LossPoint(p["seconds"], p["bytes_per_trainer"], p["val_loss"])
+        for p in summary["val_loss_curve"]
+    ]
+    baseline = [
+        LossPoint(p["seconds"], p["bytes_per_trainer"], p["val_loss"])
+        for p in summary["baseline_curve"]
+    ]
+    title = f"{summary['trainers']} trainers, {summary['windows_certified']} windows"
+    plot_loss(path, certified, baseline, title=title)
+    return str(path)
 
 
 def _print_summary(summary: dict[str, Any], console: Any) -> None:
@@ -458,6 +589,7 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
             "trainer compute utilisation", f"{100 * summary['compute_utilisation']:.0f} %"
         )
     table.add_row("checkpoint", summary["checkpoint"])
+    table.add_row("loss plot", summary["loss_png"] or "not drawn (matplotlib is not installed)")
     if summary["export_hf"]:
         table.add_row("Hugging Face export", summary["export_hf"])
     table.add_row("time", f"{summary['seconds']:.0f} s")

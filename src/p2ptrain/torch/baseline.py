@@ -57,6 +57,7 @@ def ddp_equivalent(
     steps: int,
     seed_of: Callable[[int, int], int],
     lr_scale: Callable[[int], float] | None = None,
+    on_window: Callable[[int, float], None] | None = None,
 ) -> float:
     """The validation loss DDP reaches on the run's samples.
 
@@ -64,7 +65,9 @@ def ddp_equivalent(
     0 here; ``seed_of(w, t)`` is the seed that trainer used). Starts from the genesis
     weights with a fresh optimizer; clips the global gradient like ``train_window``.
     ``lr_scale(window)`` (windows counted from 1, as the manifest's inner schedule counts
-    them) scales the learning rate as the trainers' did in that window.
+    them) scales the learning rate as the trainers' did in that window. ``on_window(window,
+    loss)`` is told the validation loss after each window (windows counted from 1; the
+    evaluation does not touch the training's state).
     """
     if not windows or any(not trainers for trainers in windows):
         raise LocalError("ddp_equivalent needs at least one window with at least one trainer")
@@ -87,7 +90,12 @@ def ddp_equivalent(
                 batch_loss=workload.batch_loss,
                 autocast_dtype=workload.autocast_dtype,
             )
-    return workload.evaluate_model(model)
+        if on_window is not None and w + 1 < len(windows):
+            on_window(w + 1, workload.evaluate_model(model))
+    loss = workload.evaluate_model(model)
+    if on_window is not None:
+        on_window(len(windows), loss)
+    return loss
 
 
 def ddp_bytes_per_worker(
