@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 		echo "installing iproute2: network tests build Linux network namespaces"; \
 		{ apt-get update -q && apt-get install -y -q iproute2; } >/dev/null 2>&1 || \
 		echo "warning: no iproute2; the network-namespace tests will be skipped"; }
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
+		[ "$$(id -u)" != 0 ] || { \
+		echo "installing chromium: the dashboard tests drive it headless"; \
+		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 || \
+		echo "warning: no chromium; the browser tests will be skipped"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
