@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.support.faulty_node import FAULT_ENV
-from tests.support.local_net import Net, new_net
+from tests.support.local_net import Net, new_net, reaped
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -227,11 +227,4 @@ def dashboard_net(
 ) -> Iterator[Net]:
     """:func:`start_rejection_net` for a module; every process is reaped at its end, and the
     network's diagnosis printed when one of its tests failed."""
-    failed_before = request.session.testsfailed
-    net = start_rejection_net(tmp_path_factory.mktemp("dashboard"))
-    try:
-        yield net
-    finally:
-        net.close()
-        if request.session.testsfailed > failed_before:
-            print(f"network of {request.node.name}:\n{net.diagnosis()}")
+    yield from reaped(lambda: start_rejection_net(tmp_path_factory.mktemp("dashboard")), request)

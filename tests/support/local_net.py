@@ -549,8 +549,15 @@ def new_net(workdir: Path) -> Net:
 def local_net(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Net]:
     """A :class:`Net` in ``tmp_path``; every process is stopped and reaped at the end, and
     when the test failed the events and the tail of every node's log are printed."""
+    yield from reaped(lambda: new_net(tmp_path), request)
+
+
+def reaped(start: Callable[[], Net], request: pytest.FixtureRequest) -> Iterator[Net]:
+    """The body of a network fixture: the :class:`Net` ``start`` gives, stopped and reaped
+    at the end, with the events and the tail of every node's log printed when a test of the
+    fixture's scope failed."""
     failed_before = request.session.testsfailed
-    net = new_net(tmp_path)
+    net = start()
     try:
         yield net
     finally:

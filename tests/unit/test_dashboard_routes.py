@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
+from unittest import mock
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from aiohttp.web import Application
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2ptrain.core.manifests import NetworkManifest, secret_check
 from p2ptrain.errors import LocalError
 from p2ptrain.net.net_metrics import exposition
+from p2ptrain.net.node import NetNode
+from p2ptrain.net.server import REASON_HEADER, NodeServer
 from p2ptrain.node.dashboard import Snapshot, dashboard_routes, parse_listen, start_listener
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.telemetry import node_families
+from p2ptrain.store.blobs import BlobStore
+from tests.support.builders import identity
+
+SECRET = b"a network secret of 32 bytes...."
 
 
 def _status(height: int) -> NodeStatus:
@@ -105,3 +115,61 @@ def test_a_port_in_use_is_refused_with_what_to_do() -> None:
 
     message = asyncio.run(scenario())
     assert "--metrics-listen" in message and "cannot listen there" in message
+
+
+@pytest.mark.parametrize(
+    ("private", "remote", "expected"),
+    [
+        (False, "10.0.0.5", 200),  # an open network shows its dashboard to anyone
+        (True, "127.0.0.1", 200),  # a private one to the node's own machine
+        (True, "10.0.0.5", 401),  # and asks anyone else for the network's proof
+    ],
+)
+def test_who_sees_the_dashboard_of_a_node(
+    tmp_path: Path, private: bool, remote: str, expected: int
+) -> None:
+    network = NetworkManifest(
+        name="dash",
+        authority=identity(900).public_key,
+        secret_check=secret_check(SECRET) if private else None,
+    )
+    net = NetNode(
+        identity=identity(1),
+        network=network,
+        blobs=BlobStore(tmp_path / "blobs"),
+        secret=SECRET if private else None,
+    )
+    page = web.get("/", lambda request: _ok())
+    server = NodeServer(
+        net.config,
+        gatekeeper=net.gatekeeper,
+        content=net.content,
+        peers=net.peers,
+        relay=net.relay,
+        connection_to=lambda _: None,
+        on_socket=lambda *_: _nothing(),
+        inbound_full=lambda: False,
+        metrics=lambda: b"",
+        extra_routes=[page],
+    )
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (
+        (remote, 40000) if name == "peername" else default
+    )
+    request = make_mocked_request("GET", "/", transport=transport)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="the page")
+
+    answer = asyncio.run(server._guard(request, handler))
+    assert answer.status == expected
+    if expected == 401:
+        assert "--metrics-listen" in answer.headers[REASON_HEADER]
+
+
+async def _ok() -> web.StreamResponse:
+    return web.Response(text="ok")
+
+
+async def _nothing() -> None:
+    return None

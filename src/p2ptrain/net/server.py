@@ -58,6 +58,10 @@ _REFUSAL_BURST = 100
 #: Answered without credentials: metrics (loopback only, see its handler) and the signed
 #: network manifest, which a newcomer needs before it can sign a request.
 _PUBLIC_PATHS = frozenset({"/metrics", NETWORK_PATH})
+_PRIVATE_DASHBOARD = (
+    "this network is private: its dashboard answers loopback callers of the node, or run the "
+    "node with --metrics-listen HOST:PORT and open that address"
+)
 
 
 class _QuietPeerFaults(logging.Filter):
@@ -194,7 +198,10 @@ class NodeServer:
             self._refused += 1
             if status == 401 and isinstance(exc, Refusal):
                 challenge = self.gatekeeper.challenge_header(exc.nonce)
-                return _reply(401, exc.reason, {"WWW-Authenticate": challenge})
+                reason = exc.reason
+                if self._is_extra(request.path):  # a person's browser, most likely
+                    reason += f"; {_PRIVATE_DASHBOARD}"
+                return _reply(401, reason, {"WWW-Authenticate": challenge})
             self._count_refusal(remote, now)
             logger.warning("refused %s %s from %s: %s", request.method, request.path, remote, exc)
             return _reply(status, f"refused: {exc}")

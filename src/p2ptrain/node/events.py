@@ -31,6 +31,7 @@ __all__ = [
     "compute_utilisation",
     "decode_event",
     "encode_event",
+    "left_out_reason",
     "mean_utilisation",
     "update_outcome",
 ]
@@ -214,9 +215,14 @@ def update_outcome(
         )
         if struck if before is not None else (mine.strikes or mine.until_window >= head.height):
             return f"rejected: {mine.reason.removeprefix('rejected: ')}"
+    return f"left out: {left_out_reason(len(head.accepted))}"
+
+
+def left_out_reason(accepted: int) -> str:
+    """Why an update a head does not name was left out of its window."""
     return (
-        f"left out: the window closed with {len(head.accepted)} updates without it "
-        "(it came late, or the window was full)"
+        f"the window closed with {accepted} updates without it (it came late, or the "
+        "window was full)"
     )
 
 

@@ -24,6 +24,7 @@ import msgspec
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, QuarantineEntry
+from p2ptrain.node.events import left_out_reason
 from p2ptrain.store.atomic import write_atomically
 
 __all__ = [
@@ -184,8 +185,7 @@ def window_record(
                 update.update_id,
                 update,
                 "left out",
-                f"the window closed with {len(head.accepted)} updates without it "
-                "(it came late, or the window was full)",
+                left_out_reason(len(head.accepted)),
             )
         )
     before = {} if parent is None else {e.peer_id: e for e in parent.quarantine}
