@@ -19,7 +19,7 @@ from p2ptrain.errors import LocalError
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.server import REASON_HEADER, NodeServer
-from p2ptrain.node.dashboard import Snapshot, dashboard_routes, parse_listen, start_listener
+from p2ptrain.node.dashboard import Dashboard, Snapshot, parse_listen, start_listener
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.telemetry import node_families
 from p2ptrain.store.blobs import BlobStore
@@ -53,7 +53,7 @@ def test_the_page_its_files_the_snapshot_and_its_events() -> None:
 
     async def scenario() -> dict[str, object]:
         app = Application()
-        app.router.add_routes(dashboard_routes(snapshot, metrics))
+        app.router.add_routes(Dashboard(snapshot, metrics).routes())
         seen: dict[str, object] = {}
         async with TestClient(TestServer(app)) as client:
             page = await client.get("/")
@@ -118,15 +118,17 @@ def test_a_port_in_use_is_refused_with_what_to_do() -> None:
 
 
 @pytest.mark.parametrize(
-    ("private", "remote", "expected"),
+    ("private", "remote", "host", "expected"),
     [
-        (False, "10.0.0.5", 200),  # an open network shows its dashboard to anyone
-        (True, "127.0.0.1", 200),  # a private one to the node's own machine
-        (True, "10.0.0.5", 401),  # and asks anyone else for the network's proof
+        (False, "10.0.0.5", "node.example:7700", 200),  # an open network: to anyone
+        (True, "127.0.0.1", "127.0.0.1:7700", 200),  # a private one: to the node's machine
+        (True, "127.0.0.1", "localhost:7700", 200),
+        (True, "10.0.0.5", "node.example:7700", 401),  # anyone else proves the secret
+        (True, "127.0.0.1", "rebound.example:7700", 401),  # a page whose name rebinds
     ],
 )
 def test_who_sees_the_dashboard_of_a_node(
-    tmp_path: Path, private: bool, remote: str, expected: int
+    tmp_path: Path, private: bool, remote: str, host: str, expected: int
 ) -> None:
     network = NetworkManifest(
         name="dash",
@@ -156,7 +158,7 @@ def test_who_sees_the_dashboard_of_a_node(
     transport.get_extra_info.side_effect = lambda name, default=None: (
         (remote, 40000) if name == "peername" else default
     )
-    request = make_mocked_request("GET", "/", transport=transport)
+    request = make_mocked_request("GET", "/", headers={"Host": host}, transport=transport)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return web.Response(text="the page")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2ptrain.core.certificate import QuorumCertificate, ValidatorSignature
 from p2ptrain.core.identity import peer_id_of
-from p2ptrain.core.records import Head, QuarantineEntry, Update
+from p2ptrain.core.records import Head, Proposal, QuarantineEntry, Rejection, Update
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.telemetry import NodeTelemetry, node_families
@@ -106,7 +107,8 @@ def test_reason_labels_are_short_and_bounded() -> None:
     assert reason_label("kind c: with details 3.5", known) == "kind_c"
 
 
-def test_a_window_record_tells_each_updates_fate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("saw_the_proposal", [False, True])
+def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposal: bool) -> None:
     telemetry = NodeTelemetry(tmp_path)
     good = _update(KEYS[0], 1, 2.5, 1)
     bad = _update(KEYS[1], 1, 9.0, 2)
@@ -115,13 +117,33 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path) -> None:
         telemetry.saw_update(f"{i + 1:064x}", update, now=10.0 + i)
     telemetry.trained(1, 4.0, now=11.0)
     telemetry.published(1, now=11.5)
-    telemetry.saw_proposal(1, now=13.0)
-    telemetry.attested(1, now=13.25)
     why = "rejected: update norm 850 exceeds the bound 12 (robust screening)"
     head = _head(1, accepted=(f"{1:064x}",), quarantine=(_entry(PEERS[1], 1, 3, why),))
+    # the quarantine book keeps a standing's first reason; the proposal says this window's
+    this_window = "norm 851x the cohort median exceeds 3.0x"
+    proposal = Proposal(
+        experiment_id=EXPERIMENT,
+        window=1,
+        base_head="0" * 64,
+        reducer=KEYS[3],
+        accepted=(f"{1:064x}",),
+        rejected=(Rejection(update_id=f"{2:064x}", reason=this_window),),
+        aggregate_blob=head.aggregate_blob or "",
+        head=head,
+    )
+    other = msgspec.structs.replace(  # a proposal that was not certified
+        proposal,
+        head=_head(1, accepted=head.accepted, quarantine=(_entry(PEERS[2], 1, 3, "another"),)),
+        rejected=(),
+    )
+    for seen in (proposal, other) if saw_the_proposal else ():
+        telemetry.saw_proposal(seen, now=13.0)
+    if not saw_the_proposal:
+        telemetry.mark(1, "proposal", 13.0)
+    telemetry.attested(1, now=13.25)
     telemetry.certified(
         head,
-        "h" * 64,
+        head.id,
         _head(0),
         _certificate(1, KEYS[2:4]),
         reason="certified",
@@ -132,20 +154,19 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path) -> None:
     assert record.signers == (PEERS[2], PEERS[3])
     fates = {u.trainer: (u.outcome, u.reason, u.loss_after) for u in record.updates}
     assert fates[PEERS[0]] == ("accepted", "", 2.5)
-    assert fates[PEERS[1]] == (
-        "rejected",
-        "update norm 850 exceeds the bound 12 (robust screening)",
-        9.0,
-    )
+    expected = this_window if saw_the_proposal else why.removeprefix("rejected: ")
+    assert fates[PEERS[1]] == ("rejected", expected, 9.0)
     assert fates[PEERS[2]][0] == "left out"
     assert [q.peer for q in record.quarantine] == [PEERS[1]]
     assert record.phases == {"train": 4.0, "publish": 0.5, "attest": 0.25, "certify": 0.75}
     assert (record.bytes_sent, record.bytes_received) == (1000, 5000)
     assert record.reason == "certified"
     assert telemetry.windows_certified == 1 and telemetry.updates_accepted == 1
-    assert telemetry.updates_rejected == {"update_norm_exceeds": 1}
+    label = "norm_cohort_median" if saw_the_proposal else "update_norm_exceeds"
+    assert telemetry.updates_rejected == {label: 1}
+    assert record.left_out == 1
 
-    telemetry.history.set_validation("h" * 64, 2.25, 1)
+    telemetry.history.set_validation(head.id, 2.25, 1)
     telemetry.history.save()
     (kept,) = read_history(tmp_path / "history.json")
     assert (kept.validation_loss, kept.validation_reports) == (2.25, 1)

@@ -47,7 +47,7 @@ from p2ptrain.net.peers import PeerBook
 from p2ptrain.net.relay import RelayHub
 from p2ptrain.store.blobs import validate_blob_id
 
-__all__ = ["NodeServer", "ServerStatistics"]
+__all__ = ["NodeServer", "ServerStatistics", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ class NodeServer:
         now = time.monotonic()
         if request.path in _PUBLIC_PATHS:
             return await handler(request)
-        if self._is_extra(request.path) and (not self._private or _is_loopback(remote)):
+        if self._is_extra(request.path) and (
+            not self._private or (is_loopback(remote) and _names_loopback(request.host))
+        ):
             return await handler(request)
         refusals = self._refusals.get(remote)
         if refusals is not None and refusals.take(0, now) > 0:
@@ -349,7 +351,7 @@ class NodeServer:
         return response
 
     async def _metrics_page(self, request: web.Request) -> web.StreamResponse:
-        if not _is_loopback(request.remote):
+        if not is_loopback(request.remote):
             return _reply(403, "metrics are served to loopback only")
         return web.Response(body=self._metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -373,7 +375,15 @@ def _served_bytes(request: web.Request, size: int) -> int:
     return max(0, end - begin)
 
 
-def _is_loopback(remote: str | None) -> bool:
+def _names_loopback(host: str) -> bool:
+    """Whether a request's ``Host`` names this machine (a page another site's name resolved
+    to 127.0.0.1 does not: DNS rebinding)."""
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.split("]")[0].removeprefix("[") if name.startswith("[") else name
+    return name == "localhost" or is_loopback(name)
+
+
+def is_loopback(remote: str | None) -> bool:
     try:
         return remote is not None and ipaddress.ip_address(remote).is_loopback
     except ValueError:

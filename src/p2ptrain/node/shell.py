@@ -52,7 +52,7 @@ from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.collector import BlobCollector, CollectorStatistics
-from p2ptrain.node.dashboard import Snapshot, dashboard_routes, start_listener, write_peers
+from p2ptrain.node.dashboard import Dashboard, Snapshot, start_listener, write_peers
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
     HeadAdopted,
@@ -159,6 +159,7 @@ class Node:
         self.telemetry.blob_kind(self.manifest.genesis_weights, "state")
         for shard in self.manifest.dataset.shards:
             self.telemetry.blob_kind(shard.blob_id, "shard")
+        self._wire_high = (0, 0)
         #: Where ``--metrics-listen`` serves (once the node runs).
         self.metrics_address: str | None = None
         #: Deletes the blobs the node no longer needs (None: an archive node keeps all).
@@ -251,8 +252,10 @@ class Node:
         handlers["/v1/network"] = self._answer_network
         net.on_blob_bytes = self.telemetry.blob_bytes
         net.metrics_text = self.metrics_text
-        net.extra_routes = dashboard_routes(self.dashboard_snapshot, self.metrics_text)
-        async with net, self._metrics_listener():
+        # the server's own /metrics answers loopback only: the dashboard adds none
+        dashboard = Dashboard(self.dashboard_snapshot)
+        net.extra_routes = dashboard.routes()
+        async with net, self._metrics_listener(), _closed_after(dashboard):
             net.serve_chain(self._serving().machine.chain)
             net.gossip.subscribe(self.services.topic, self._on_message, self._check_message)
             self._restore()
@@ -382,7 +385,7 @@ class Node:
                 self.services.on_update(inner)  # its blob is that window's
                 self.telemetry.saw_update(record.record_id, inner, now)
             elif isinstance(inner, Proposal):
-                self.telemetry.saw_proposal(inner.window, now)
+                self.telemetry.saw_proposal(inner, now)
             elif isinstance(inner, Attestation):
                 self.telemetry.saw_attestation(inner.height, now)
             if self.settings.archive and isinstance(inner, Update | Proposal):
@@ -583,15 +586,20 @@ class Node:
     def _wire_bytes(self) -> tuple[int, int]:
         """Bytes the node's connections sent and received: TCP payload as the kernel
         counted it, or where it cannot, what the node pushed and gossiped and the uploads
-        it took in."""
+        it took in. Never less than an earlier answer (a closing connection is counted
+        once its counters are read)."""
         meter = loop_meter()
         if meter is not None:
-            return meter.totals()
-        if self._net is None:
-            return 0, 0
-        n = self._net.statistics()
-        sent = self._net.client.bytes_pushed + n.gossip.bytes_sent
-        return sent, 0 if n.server is None else n.server.bytes_received
+            sent, received = meter.totals()
+        elif self._net is None:
+            sent = received = 0
+        else:
+            n = self._net.statistics()
+            sent = self._net.client.bytes_pushed + n.gossip.bytes_sent
+            received = 0 if n.server is None else n.server.bytes_received
+        high = self._wire_high
+        self._wire_high = (max(high[0], sent), max(high[1], received))
+        return self._wire_high
 
     def status(self) -> NodeStatus:
         net = self._net
@@ -790,6 +798,16 @@ class Node:
             self._on_event(event)
         if isinstance(event, RoleFailure):
             self._write_status(self.status())
+
+
+@contextlib.asynccontextmanager
+async def _closed_after(dashboard: Dashboard) -> AsyncIterator[None]:
+    """End the dashboard's event streams before the server stops (pages that follow the
+    node would hold its shutdown otherwise)."""
+    try:
+        yield
+    finally:
+        dashboard.close()
 
 
 class _Stopping(Exception):

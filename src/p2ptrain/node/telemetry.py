@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
-from p2ptrain.core.records import Head, Update
+from p2ptrain.core.records import Head, Proposal, Update
 from p2ptrain.net.net_metrics import PREFIX
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.window_history import (
@@ -61,6 +61,8 @@ _KNOWN_BLOBS = 8192
 _SEEN_UPDATES = 4096
 #: Windows behind the newest for which marks are kept.
 _MARK_WINDOWS = 8
+#: Proposals whose rejections are kept until their window is certified.
+_PROPOSALS = 64
 
 
 class NodeTelemetry:
@@ -91,6 +93,8 @@ class NodeTelemetry:
         #: window -> phase -> seconds, until the window's record is written.
         self._phases: dict[int, dict[str, float]] = {}
         self._failed: set[tuple[int, str]] = set()
+        #: head id -> (window, rejections) of the proposals seen for open windows.
+        self._proposed: dict[str, tuple[int, dict[str, str]]] = {}
         self._open_window = 1
         self._adopted_at = time.monotonic()
         self._wire_at_adoption = (0, 0)
@@ -117,14 +121,16 @@ class NodeTelemetry:
         """A blob download finished: its bytes, and the fetch phase of the open window."""
         self.blob_kind(blob_id, kind)
         self.count_bytes("received", kind, n)
-        self.phase(self._open_window, "fetch", seconds, accumulate=True)
+        self.phase(self._open_window, "fetch", seconds, longest=True)
 
     # -- what happens in a window ---------------------------------------------------------
 
-    def phase(self, window: int, name: str, seconds: float, *, accumulate: bool = False) -> None:
+    def phase(self, window: int, name: str, seconds: float, *, longest: bool = False) -> None:
+        """``name`` took ``seconds`` in ``window`` (``longest``: of several in the window,
+        e.g. concurrent downloads, its record keeps the longest)."""
         self.phase_seconds.labels(name).observe(max(0.0, seconds))
         phases = self._phases.setdefault(window, {})
-        phases[name] = phases.get(name, 0.0) + seconds if accumulate else seconds
+        phases[name] = max(phases.get(name, 0.0), seconds) if longest else seconds
 
     def mark(self, window: int, what: str, now: float, *, first: bool = True) -> None:
         marks = self._marks.setdefault(window, {})
@@ -149,8 +155,15 @@ class NodeTelemetry:
         self.blob_kind(update.delta_blob, "update")
         self.mark(update.window, "last_update", now, first=False)
 
-    def saw_proposal(self, window: int, now: float) -> None:
-        self.mark(window, "proposal", now)
+    def saw_proposal(self, proposal: Proposal, now: float) -> None:
+        """A signed proposal passed intake (or is our own): its rejections say why each
+        update it left out was rejected, should its head be certified."""
+        self.mark(proposal.window, "proposal", now)
+        if len(self._proposed) < _PROPOSALS:
+            self._proposed[proposal.head.id] = (
+                proposal.window,
+                {r.update_id: r.reason for r in proposal.rejected},
+            )
 
     def saw_attestation(self, height: int, now: float) -> None:
         self.mark(height, "attestation", now)
@@ -159,7 +172,7 @@ class NodeTelemetry:
         """This reducer's proposal went out."""
         since = self.marked(window, "last_update")
         self.phase(window, "reduce", now - (self._adopted_at if since is None else since))
-        self.saw_proposal(window, now)
+        self.mark(window, "proposal", now)
 
     def attested(self, height: int, now: float) -> None:
         """This validator's attestation went out."""
@@ -186,17 +199,18 @@ class NodeTelemetry:
 
     # -- certified heads ------------------------------------------------------------------
 
-    def count_head(self, head: Head, parent: Head | None) -> list[tuple[str, str]]:
-        """Count a certified head (stored or new): its accepted updates and rejections;
-        the rejected peers and reasons."""
+    def count_head(
+        self, head: Head, parent: Head | None, rejected: Mapping[str, str] | None = None
+    ) -> None:
+        """Count a certified head (stored or new): its accepted updates and rejections, by
+        reason (``rejected``: its proposal's, when seen; else the quarantine book's)."""
         self.windows_certified += 1
         self.updates_accepted += len(head.accepted)
-        rejected = []
-        for entry in rejections(head, parent):
-            label = reason_label(entry.reason, self.updates_rejected)
+        if rejected is None:
+            rejected = {e.peer_id: e.reason for e in rejections(head, parent)}
+        for reason in rejected.values():
+            label = reason_label(reason, self.updates_rejected)
             self.updates_rejected[label] = self.updates_rejected.get(label, 0) + 1
-            rejected.append((entry.peer_id, entry.reason))
-        return rejected
 
     def certified(
         self,
@@ -211,7 +225,9 @@ class NodeTelemetry:
     ) -> None:
         """This node adopted certified ``head`` (``wire``: its total bytes sent and
         received so far): count it, time it, and write its window's record."""
-        self.count_head(head, parent)
+        proposed = self._proposed.pop(head_id, None)
+        rejected = None if proposed is None else proposed[1]
+        self.count_head(head, parent, rejected)
         for blob in (head.weights_blob, head.optimizer_blob):
             if blob is not None:
                 self.blob_kind(blob, "state")
@@ -235,6 +251,7 @@ class NodeTelemetry:
                 phases=self._phases.pop(window, {}),
                 bytes_sent=max(0, sent - self._wire_at_adoption[0]),
                 bytes_received=max(0, received - self._wire_at_adoption[1]),
+                rejected=rejected,
             )
         )
         self._adopted_at, self._wire_at_adoption = now, wire
@@ -244,6 +261,7 @@ class NodeTelemetry:
             for old in [w for w in table if w < floor]:
                 del table[old]
         self._failed = {(w, r) for w, r in self._failed if w >= floor}
+        self._proposed = {h: p for h, p in self._proposed.items() if p[0] > window}
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 HISTORY_FILE = "history.json"
 #: Certified windows a node remembers for its dashboard.
 KEEP_WINDOWS = 256
+#: Rejected and left-out updates a window record lists (the rest are counted).
+MAX_LISTED = 32
 #: Distinct reason labels a counter keeps before it files new ones under "other".
 MAX_REASON_LABELS = 16
 
@@ -102,6 +104,9 @@ class WindowRecord(_Record, frozen=True):
     bytes_received: int
     validation_loss: float | None = None
     validation_reports: int = 0
+    #: Updates of the window the head does not name, listed or not (at most
+    #: :data:`MAX_LISTED` are).
+    left_out: int = 0
 
 
 class PeerView(_Record, frozen=True):
@@ -153,40 +158,46 @@ def window_record(
     phases: Mapping[str, float],
     bytes_sent: int,
     bytes_received: int,
+    rejected: Mapping[str, str] | None = None,
 ) -> WindowRecord:
-    """One window's record from its certified head, its parent and the updates seen."""
+    """One window's record from its certified head, its parent and the updates seen.
+    ``rejected``: the certified proposal's rejections (update id -> why), when this node saw
+    that proposal; else the head's quarantine book says who was rejected (with the reason
+    of their standing, which may be an earlier window's)."""
     window = head.height
     of_window = {u.update_id: u for u in seen.values() if u.window == window}
     fates: list[UpdateFate] = []
     for update_id in head.accepted:
         update = of_window.pop(update_id, None) or seen.get(update_id)
         fates.append(_fate(update_id, update, "accepted", ""))
-    by_trainer = {u.trainer: u for u in of_window.values()}
-    for entry in rejections(head, parent):
-        update = by_trainer.pop(entry.peer_id, None)
-        if update is not None:
-            of_window.pop(update.update_id, None)
-        why = entry.reason.removeprefix("rejected: ")
-        fates.append(
-            _fate(update.update_id, update, "rejected", why)
-            if update is not None
-            else UpdateFate(
-                update_id="",
-                trainer=entry.peer_id,
-                loss_before=None,
-                loss_after=None,
-                outcome="rejected",
-                reason=why,
+    if rejected is not None:
+        for update_id, why in list(rejected.items())[:MAX_LISTED]:
+            update = of_window.pop(update_id, None) or seen.get(update_id)
+            fates.append(_fate(update_id, update, "rejected", why))
+    else:
+        by_trainer = {u.trainer: u for u in of_window.values()}
+        for entry in rejections(head, parent):
+            update = by_trainer.pop(entry.peer_id, None)
+            if update is not None:
+                of_window.pop(update.update_id, None)
+            why = entry.reason.removeprefix("rejected: ")
+            fates.append(
+                _fate(update.update_id, update, "rejected", why)
+                if update is not None
+                else UpdateFate(
+                    update_id="",
+                    trainer=entry.peer_id,
+                    loss_before=None,
+                    loss_after=None,
+                    outcome="rejected",
+                    reason=why,
+                )
             )
-        )
-    for update in of_window.values():
+    # updates the head does not name: listed up to a bound (anyone may sign updates)
+    left_out = list(of_window.values())
+    for update in left_out[:MAX_LISTED]:
         fates.append(
-            _fate(
-                update.update_id,
-                update,
-                "left out",
-                left_out_reason(len(head.accepted)),
-            )
+            _fate(update.update_id, update, "left out", left_out_reason(len(head.accepted)))
         )
     before = {} if parent is None else {e.peer_id: e for e in parent.quarantine}
     changes = tuple(
@@ -212,6 +223,7 @@ def window_record(
         phases={k: round(v, 4) for k, v in phases.items()},
         bytes_sent=bytes_sent,
         bytes_received=bytes_received,
+        left_out=len(left_out),
     )
 
 

@@ -281,7 +281,7 @@
     const heading = el("h3", {}, [
       "window " + w.height + " ",
       el("span", { class: "mono muted", title: w.head_id || "", text: "head " + shortId(w.head_id) }),
-      " · " + formatSeconds(w.seconds) + " · " + count("accepted") + " accepted, " + count("rejected") + " rejected, " + count("left out") + " left out",
+      " · " + formatSeconds(w.seconds) + " · " + count("accepted") + " accepted, " + count("rejected") + " rejected, " + Math.max(count("left out"), int(w.left_out)) + " left out",
     ]);
     const trainers = updates.map((u) => shortId(u.trainer) + " (" + formatLoss(u.loss_after) + ")");
     const parts = [
