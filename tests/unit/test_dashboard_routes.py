@@ -19,7 +19,13 @@ from p2ptrain.errors import LocalError
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.server import REASON_HEADER, NodeServer
-from p2ptrain.node.dashboard import Dashboard, Snapshot, parse_listen, start_listener
+from p2ptrain.node.dashboard import (
+    MAX_LOCAL_WATCHERS,
+    Dashboard,
+    Snapshot,
+    parse_listen,
+    start_listener,
+)
 from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.telemetry import node_families
 from p2ptrain.store.blobs import BlobStore
@@ -175,3 +181,27 @@ async def _ok() -> web.StreamResponse:
 
 async def _nothing() -> None:
     return None
+
+
+def test_event_streams_are_capped_and_end_when_the_dashboard_closes() -> None:
+    dashboard = Dashboard(lambda: Snapshot(status=_status(1)))
+
+    async def scenario() -> tuple[list[int], bytes, float]:
+        app = Application()
+        app.router.add_routes(dashboard.routes())
+        async with TestClient(TestServer(app)) as client:
+            streams = [await client.get("/api/events") for _ in range(MAX_LOCAL_WATCHERS + 1)]
+            statuses = [s.status for s in streams]
+            open_streams = [s for s in streams if s.status == 200]
+            await asyncio.wait_for(open_streams[0].content.readuntil(b"\r\n\r\n"), 10)
+            started = asyncio.get_running_loop().time()
+            dashboard.close()  # the node stops: every stream ends, none waits for its page
+            rest = await asyncio.wait_for(open_streams[0].content.read(), 10)
+            ended = asyncio.get_running_loop().time() - started
+            for stream in streams:
+                stream.close()
+        return statuses, rest, ended
+
+    statuses, rest, ended = asyncio.run(scenario())
+    assert statuses == [200] * MAX_LOCAL_WATCHERS + [503]  # loopback: its own cap
+    assert rest == b"" and ended < 5
