@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.cli.data_commands import mib
+from p2ptrain.cli.status_text import store_text, tallies, validation_text
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
     Evaluated,
@@ -488,11 +489,7 @@ def describe_status(status: NodeStatus) -> list[str]:
         failing = f"; {role.failures_in_a_row} failures in a row" if role.failures_in_a_row else ""
         lines.append(f"{role.role:<10} {role.last_reason}{failing}")
     if status.validation is not None:
-        v = status.validation
-        lines.append(
-            f"val loss   {v.median_loss:.4f} at height {v.height} (head {v.head_id[:12]}; "
-            f"median of {v.reports} report{'s' if v.reports != 1 else ''})"
-        )
+        lines.append(f"val loss   {validation_text(status.validation)}")
     if status.trainer is not None:
         t = status.trainer
         lines.append(
@@ -512,15 +509,8 @@ def describe_status(status: NodeStatus) -> list[str]:
             )
         elif d.location:
             lines.append(f"data at    {d.location}")
-    kept = f"the last {status.keep_heads} heads' blobs"
-    if status.keep_heads is None:
-        kept = "every blob (archive)"
-    failed = f"; {status.collect_failures} passes failed" if status.collect_failures else ""
-    lines.append(
-        f"store      {status.store_blobs} blobs, {mib(status.store_bytes)}; keeps {kept}; "
-        f"collected {status.blobs_collected} ({mib(status.bytes_collected)}){failed}"
-    )
-    lines += [f"{label:<10} {text}" for label, text in status.tallies()]
+    lines.append(f"store      {store_text(status)}")
+    lines += [f"{label:<10} {text}" for label, text in tallies(status)]
     for error in status.errors[-5:]:
         lines.append(f"error      {error.role}, {error.describe()}")
     if status.storage is not None:

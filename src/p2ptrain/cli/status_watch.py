@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from p2ptrain.cli.data_commands import mib
+from p2ptrain.cli.status_text import store_text, tallies, validation_text
 from p2ptrain.errors import P2PTrainError
 from p2ptrain.node.status import NodeStatus
 
@@ -76,12 +77,7 @@ def _facts(status: NodeStatus) -> Table:
         f"{mib(status.bytes_sent)} sent, {mib(status.bytes_received)} received ({counted})",
     )
     if status.validation is not None:
-        v = status.validation
-        row(
-            "val loss",
-            f"{v.median_loss:.4f} at height {v.height} (head {v.head_id[:12]}; median of "
-            f"{v.reports} report{'s' if v.reports != 1 else ''})",
-        )
+        row("val loss", validation_text(status.validation))
     if status.trainer is not None:
         t = status.trainer
         busy = ""
@@ -96,17 +92,8 @@ def _facts(status: NodeStatus) -> Table:
         d = status.data
         held = f"; {d.shards_held} shards held ({mib(d.bytes_held)})" if d.shards_held else ""
         row("data", f"{d.kind}: {d.descriptor}{held}")
-    kept = f"the last {status.keep_heads} heads' blobs"
-    if status.keep_heads is None:
-        kept = "every blob (archive)"
-    failed = f"; {status.collect_failures} passes failed" if status.collect_failures else ""
-    row(
-        "store",
-        f"{status.store_blobs} blobs, {mib(status.store_bytes)}; keeps {kept}; collected "
-        f"{status.blobs_collected} ({mib(status.bytes_collected)}){failed}",
-        "yellow" if status.collect_failures else "",
-    )
-    for label, text in status.tallies():
+    row("store", store_text(status), "yellow" if status.collect_failures else "")
+    for label, text in tallies(status):
         row(label, text)
     return grid
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:  # net.node imports this module
+    from p2ptrain.net.node import NetNodeStatistics
 
 __all__ = ["PREFIX", "FamilySource", "exposition", "net_families"]
 
@@ -69,7 +72,7 @@ _GAUGES = {
 }
 
 
-def net_families(stats: Any) -> Iterator[Metric]:
+def net_families(stats: NetNodeStatistics) -> Iterator[Metric]:
     """The families of one :class:`~p2ptrain.net.node.NetNodeStatistics`."""
     connections = GaugeMetricFamily(
         PREFIX + "net_connections",
@@ -84,14 +87,13 @@ def net_families(stats: Any) -> Iterator[Metric]:
         "Gossip connections registered since the node started (churn grows it while idle)",
         value=stats.connections_opened,
     )
-    if hasattr(stats, "gossip_bytes_received"):
-        yield CounterMetricFamily(
-            PREFIX + "gossip_bytes_received",
-            "Bytes of gossip frames received from neighbours",
-            value=stats.gossip_bytes_received,
-        )
+    yield CounterMetricFamily(
+        PREFIX + "gossip_bytes_received",
+        "Bytes of gossip frames received from neighbours",
+        value=stats.gossip_bytes_received,
+    )
     for group, helps in _HELP.items():
-        values = getattr(stats, group)
+        values: Any = getattr(stats, group)
         if values is None:  # no server: an outbound-only node
             continue
         for field in fields(values):

@@ -41,7 +41,7 @@ from p2ptrain.net.auth import SERVER_HEADER, Admitted, Gatekeeper, Refusal
 from p2ptrain.net.client import BLOB_ID_HEADER, NETWORK_PATH
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
-from p2ptrain.net.content import LocalContent
+from p2ptrain.net.content import LocalContent, parse_range
 from p2ptrain.net.limits import TokenBucket
 from p2ptrain.net.peers import PeerBook
 from p2ptrain.net.relay import RelayHub
@@ -357,22 +357,15 @@ class NodeServer:
 
 
 def _served_bytes(request: web.Request, size: int) -> int:
-    """The bytes a GET of a ``size``-byte file answers (its range; none for HEAD)."""
+    """The bytes a GET of a ``size``-byte file answers (its range; none for HEAD or a range
+    it cannot satisfy)."""
     if request.method != "GET":
         return 0
     try:
-        wanted = request.http_range
+        wanted = parse_range(request.headers.get("Range"), size)
     except ValueError:
-        return size
-    start: int | None = wanted.start
-    stop: int | None = wanted.stop
-    if start is None and stop is None:
-        return size
-    if start is not None and start < 0:  # the last -start bytes
-        return min(size, -start)
-    begin = start or 0
-    end = size if stop is None else min(size, stop)
-    return max(0, end - begin)
+        return 0
+    return size if wanted is None else wanted[1] - wanted[0]
 
 
 def _names_loopback(host: str) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ __all__ = [
     "start_listener",
     "write_peers",
 ]
-
-logger = logging.getLogger(__name__)
 
 PEERS_FILE = "peers.json"
 #: Pages of other machines following a node's events at once, and from one address (more

@@ -154,11 +154,10 @@ class Node:
         )
         self.services.on_adopted = self._adopted
         #: Counters, timings and the window history (status, /metrics, the dashboard).
-        self.telemetry = NodeTelemetry(settings.data_dir)
+        pinned = {shard.blob_id: "shard" for shard in self.manifest.dataset.shards}
+        pinned[self.manifest.genesis_weights] = "state"
+        self.telemetry = NodeTelemetry(settings.data_dir, pinned)
         self.services.telemetry = self.telemetry
-        self.telemetry.blob_kind(self.manifest.genesis_weights, "state")
-        for shard in self.manifest.dataset.shards:
-            self.telemetry.blob_kind(shard.blob_id, "shard")
         self._wire_high = (0, 0)
         #: Where ``--metrics-listen`` serves (once the node runs).
         self.metrics_address: str | None = None
@@ -414,10 +413,7 @@ class Node:
         report = signed.record
         if report.head_id != self._certified_at(report.height) or not self.metrics.add(report):
             return  # a duplicate, a full head, or a head not (or no longer) ours
-        losses = self.metrics.losses(report.head_id)
-        loss = median(losses)
-        if loss is not None:
-            self.telemetry.history.set_validation(report.head_id, loss, len(losses))
+        self._show_validation(report.head_id)
         try:
             self.store.put_report(signed)
         except Exception as exc:  # a report is worth a warning, never the node
@@ -425,6 +421,12 @@ class Node:
                 logger.warning("storing the metrics report of head %d: %s", report.height, exc)
         else:
             self.services.storage.succeeded()
+
+    def _show_validation(self, head_id: str) -> None:
+        """The window history shows the median of the reports kept for ``head_id``."""
+        losses = self.metrics.losses(head_id)
+        if (loss := median(losses)) is not None:
+            self.telemetry.history.set_validation(head_id, loss, len(losses))
 
     def _evaluators_of(self, head_id: str) -> set[bytes]:
         return {r.evaluator for r in self.store.reports_for(head_id)}
@@ -460,10 +462,7 @@ class Node:
                     wire=self._wire_bytes(),
                     now=time.monotonic(),
                 )
-                # reports that came while its weights were being fetched
-                losses = self.metrics.losses(link.head_id)
-                if (loss := median(losses)) is not None:
-                    self.telemetry.history.set_validation(link.head_id, loss, len(losses))
+                self._show_validation(link.head_id)  # reports that came before it
                 if not self.settings.archive:  # older windows' records are of no use now
                     self.store.prune_signed(self.experiment_id, height)
                 for waiting in self.metrics.certified(height, link.head_id):

@@ -205,33 +205,6 @@ class NodeStatus(_Record, frozen=True):
     #: Where ``--metrics-listen`` serves ``/metrics`` and the dashboard (None: not asked).
     metrics_address: str | None = None
 
-    def tallies(self) -> list[tuple[str, str]]:
-        """The counters in words, label first: windows, updates, bytes by kind, metrics
-        (``p2ptrain status`` and its ``--watch`` view show them)."""
-
-        def by_reason(counts: dict[str, int]) -> str:
-            return ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
-
-        failed = sum(self.windows_failed.values())
-        windows = f"{self.windows_certified} certified"
-        if failed:
-            windows += f"; {failed} failed here ({by_reason(self.windows_failed)})"
-        rejected = sum(self.updates_rejected.values())
-        updates = f"{self.updates_accepted} accepted, {rejected} rejected"
-        if rejected:
-            updates += f" ({by_reason(self.updates_rejected)})"
-        lines = [("windows", windows), ("updates", updates)]
-        for direction, counts in (
-            ("sent", self.bytes_sent_by_kind),
-            ("received", self.bytes_received_by_kind),
-        ):
-            moved = [f"{kind} {n / 2**20:.2f}" for kind, n in counts.items() if n]
-            if moved:
-                lines.append((f"MiB {direction}", ", ".join(moved)))
-        if self.metrics_address is not None:
-            lines.append(("metrics", f"{self.metrics_address}/metrics and dashboard at /"))
-        return lines
-
     @property
     def reasons(self) -> list[str]:
         """The last few reasons peers were reported for."""

@@ -67,9 +67,12 @@ _PROPOSALS = 64
 
 class NodeTelemetry:
     """See the module docstring. ``data_dir``: where the window history is kept (None:
-    in memory only)."""
+    in memory only); ``pinned``: the kinds of the blobs a node always holds (genesis, the
+    dataset's shards), known for good."""
 
-    def __init__(self, data_dir: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path | None = None, pinned: Mapping[str, str] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.phase_seconds = Histogram(
             PREFIX + "phase_seconds",
@@ -86,6 +89,7 @@ class NodeTelemetry:
         self.windows_failed: dict[str, int] = {}
         self.sent: dict[str, int] = dict.fromkeys(BYTE_KINDS, 0)
         self.received: dict[str, int] = dict.fromkeys(BYTE_KINDS, 0)
+        self._pinned = dict(pinned or {})
         self._kinds: OrderedDict[str, str] = OrderedDict()
         self._seen: OrderedDict[str, SeenUpdate] = OrderedDict()
         #: window -> mark -> monotonic time (first proposal, last update, ...).
@@ -110,7 +114,8 @@ class NodeTelemetry:
 
     def blob_bytes(self, direction: str, blob_id: str, n: int) -> None:
         """``n`` bytes of blob ``blob_id`` went out (``sent``) or came in (``received``)."""
-        self.count_bytes(direction, self._kinds.get(blob_id, "other"), n)
+        kind = self._kinds.get(blob_id) or self._pinned.get(blob_id, "other")
+        self.count_bytes(direction, kind, n)
 
     def count_bytes(self, direction: str, kind: str, n: int) -> None:
         table = self.sent if direction == "sent" else self.received

@@ -181,18 +181,8 @@ def window_record(
             if update is not None:
                 of_window.pop(update.update_id, None)
             why = entry.reason.removeprefix("rejected: ")
-            fates.append(
-                _fate(update.update_id, update, "rejected", why)
-                if update is not None
-                else UpdateFate(
-                    update_id="",
-                    trainer=entry.peer_id,
-                    loss_before=None,
-                    loss_after=None,
-                    outcome="rejected",
-                    reason=why,
-                )
-            )
+            update_id = "" if update is None else update.update_id
+            fates.append(_fate(update_id, update, "rejected", why, trainer=entry.peer_id))
     # updates the head does not name: listed up to a bound (anyone may sign updates)
     left_out = list(of_window.values())
     for update in left_out[:MAX_LISTED]:
@@ -227,10 +217,13 @@ def window_record(
     )
 
 
-def _fate(update_id: str, update: SeenUpdate | None, outcome: str, reason: str) -> UpdateFate:
+def _fate(
+    update_id: str, update: SeenUpdate | None, outcome: str, reason: str, trainer: str = ""
+) -> UpdateFate:
+    """An update's fate (``trainer``: who sent it, when the update itself was not seen)."""
     return UpdateFate(
         update_id=update_id,
-        trainer="" if update is None else update.trainer,
+        trainer=trainer if update is None else update.trainer,
         loss_before=None if update is None else update.loss_before,
         loss_after=None if update is None else update.loss_after,
         outcome=outcome,

@@ -1,0 +1,56 @@
+"""The facts of a node's status that ``p2ptrain status`` prints and its ``--watch`` view
+shows, in the same words: one function per fact, each the text after its label."""
+
+from __future__ import annotations
+
+from p2ptrain.cli.data_commands import mib
+from p2ptrain.node.status import NodeStatus, ValidationMetrics
+
+__all__ = ["store_text", "tallies", "validation_text"]
+
+
+def store_text(status: NodeStatus) -> str:
+    """The blob store: its size, what it keeps, what was collected."""
+    kept = f"the last {status.keep_heads} heads' blobs"
+    if status.keep_heads is None:
+        kept = "every blob (archive)"
+    failed = f"; {status.collect_failures} passes failed" if status.collect_failures else ""
+    return (
+        f"{status.store_blobs} blobs, {mib(status.store_bytes)}; keeps {kept}; collected "
+        f"{status.blobs_collected} ({mib(status.bytes_collected)}){failed}"
+    )
+
+
+def validation_text(v: ValidationMetrics) -> str:
+    """The evaluators' median validation loss of the latest head they reported on."""
+    return (
+        f"{v.median_loss:.4f} at height {v.height} (head {v.head_id[:12]}; median of "
+        f"{v.reports} report{'s' if v.reports != 1 else ''})"
+    )
+
+
+def tallies(status: NodeStatus) -> list[tuple[str, str]]:
+    """The counters, label first: windows, updates, bytes by kind, metrics."""
+
+    def by_reason(counts: dict[str, int]) -> str:
+        return ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
+
+    failed = sum(status.windows_failed.values())
+    windows = f"{status.windows_certified} certified"
+    if failed:
+        windows += f"; {failed} failed here ({by_reason(status.windows_failed)})"
+    rejected = sum(status.updates_rejected.values())
+    updates = f"{status.updates_accepted} accepted, {rejected} rejected"
+    if rejected:
+        updates += f" ({by_reason(status.updates_rejected)})"
+    lines = [("windows", windows), ("updates", updates)]
+    for direction, counts in (
+        ("sent", status.bytes_sent_by_kind),
+        ("received", status.bytes_received_by_kind),
+    ):
+        moved = [f"{kind} {n / 2**20:.2f}" for kind, n in counts.items() if n]
+        if moved:
+            lines.append((f"MiB {direction}", ", ".join(moved)))
+    if status.metrics_address is not None:
+        lines.append(("metrics", f"{status.metrics_address}/metrics and dashboard at /"))
+    return lines
