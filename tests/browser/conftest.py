@@ -69,6 +69,11 @@ MAX_UPDATES = 3
 MIN_UPDATES = 2
 #: Heights, evaluations and the first rejection; a window takes a few seconds on two cores.
 NETWORK_TIMEOUT_S = 240.0
+#: How long a window waits for its third update after the first. Every window closes as
+#: soon as it is full, so this only bounds how much later than the others a trainer may
+#: start: on two loaded cores the last of three trainers to import torch and build its
+#: model can be more than the usual 20 s behind, and its window-1 update would miss.
+DEADLINE_S = 90.0
 #: The seed's copy of the evaluator's last report, after the evaluator published it.
 REPORT_TIMEOUT_S = 30.0
 
@@ -168,7 +173,11 @@ def start_rejection_net(workdir: Path) -> Net:
     net = new_net(workdir)
     try:
         path = net.write_experiment(
-            validators=[EVALUATOR], quorum=1, min_updates=MIN_UPDATES, max_updates=MAX_UPDATES
+            validators=[EVALUATOR],
+            quorum=1,
+            min_updates=MIN_UPDATES,
+            max_updates=MAX_UPDATES,
+            deadline_s=DEADLINE_S,
         )
         # the seed keeps every update and proposal (their rejection reasons included)
         net.start("seed", "seed", args=["--experiment-toml", str(path), "--archive"])
