@@ -47,7 +47,8 @@ async def catch_up(tmp_path: Path, served: HeadChain) -> tuple[str, int]:
     ):
         old.serve_chain(served)
         mine = HeadChain(MANIFEST)
-        links = await late.client.head_links(old.address or "", MANIFEST.id, after=mine.height)
+        page = await late.client.head_links(old.address or "", MANIFEST.id, after=mine.height)
+        links = page.links
         verdict = mine.catch_up(
             links, lambda head: head.weights_blob == h(f"weights-{head.height}-a")
         )

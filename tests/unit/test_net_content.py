@@ -16,8 +16,9 @@ from p2ptrain.core.envelope import Signed, verify_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import PeerRecord
 from p2ptrain.net.client import HeadLinks, PeerRecords
-from p2ptrain.net.content import MAX_LINKS_PER_ANSWER, LocalContent, parse_range
+from p2ptrain.net.content import LocalContent, parse_range
 from p2ptrain.net.peers import PeerBook
+from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE as MAX_LINKS_PER_ANSWER
 from p2ptrain.protocol.chain import HeadChain, genesis_head
 from p2ptrain.store.blobs import BlobStore
 from tests.support.builders import certified_chain, experiment, h, identity
@@ -296,3 +297,24 @@ def test_one_answer_carries_at_most_the_link_limit(content: LocalContent) -> Non
     assert len(links) == MAX_LINKS_PER_ANSWER
     assert links[0][0].height == 2
     assert links[-1][0].height == MAX_LINKS_PER_ANSWER + 1
+
+
+def test_a_page_says_the_tip_and_which_states_are_held(content: LocalContent) -> None:
+    """A node catching up learns how far the chain goes, and which heads' states (weights
+    and optimizer state) the provider still holds: it never asks for collected ones."""
+    chain = chain_of(MAX_LINKS_PER_ANSWER + 40)
+    content.chains[MANIFEST.id] = chain
+    tip = chain.height
+    for height in (tip, tip - 1, tip - 2, 5):  # the kept heads, and an old one
+        content.blobs.put(f"weights-{height}-a".encode())  # the names of builders' heads
+    content.blobs.put(f"aggregate-{tip - 5}-a".encode())  # an aggregate alone is no state
+    first = decode(
+        HeadLinks, content.answer("GET", f"/v1/heads/{MANIFEST.id}").body, max_bytes=1 << 24
+    )
+    assert first.tip == tip
+    assert first.links[-1][0].height == MAX_LINKS_PER_ANSWER
+    # only the newest heads are said: height 5 is too far below the tip
+    assert first.held == [tip - 2, tip - 1, tip]
+    rest = content.answer("GET", f"/v1/heads/{MANIFEST.id}?after={MAX_LINKS_PER_ANSWER}")
+    last = decode(HeadLinks, rest.body, max_bytes=1 << 24)
+    assert [head.height for head, _ in last.links] == list(range(MAX_LINKS_PER_ANSWER + 1, tip + 1))

@@ -86,6 +86,18 @@ def test_updates_of_pending_and_recent_windows_are_kept() -> None:
     assert blob_verdict(h("delta-4"), keep) == Disposal(True, rule.OLD_UPDATE)
 
 
+def test_an_update_of_ours_still_being_pushed_is_kept_whatever_its_window() -> None:
+    """An outbound-only trainer retrying its push after a partition healed: its blob of an
+    old window stays until the push is done (it used to vanish under the retry)."""
+    updates = [(window, h(f"delta-{window}")) for window in range(1, 9)]
+    keep = keep_set(
+        height=6, keep_heads=3, heads=heads_up_to(6), updates=updates, sending=[h("delta-2")]
+    )
+    assert blob_verdict(h("delta-2"), keep) == Disposal(False, rule.SENDING)
+    assert keep.wanted(h("delta-2"))
+    assert blob_verdict(h("delta-1"), keep) == Disposal(True, rule.OLD_UPDATE)
+
+
 def test_what_is_kept_wins_over_what_is_released() -> None:
     keep = KeepSet(
         height=9,

@@ -60,9 +60,14 @@ class PeerRecords(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class HeadLinks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``GET /v1/heads/{experiment}``: certified heads above a height, in order."""
+    """``GET /v1/heads/{experiment}?after=H``: a page of the certified heads above ``H``, in
+    order (at most :data:`~p2ptrain.protocol.chain.MAX_LINKS_PER_PAGE`), the answering
+    node's height (``tip``: more pages follow while the links end below it), and the heights
+    among its newest heads whose blobs it holds (``held``)."""
 
     links: list[tuple[Head, QuorumCertificate]]
+    tip: int = 0
+    held: list[int] = msgspec.field(default_factory=list)
 
 
 class WindowRecords(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -215,15 +220,13 @@ class PeerClient:
                 logger.info("skipping a peer record from %s: %s", address, exc)
         return verified
 
-    async def head_links(
-        self, address: str, experiment_id: str, after: int
-    ) -> list[tuple[Head, QuorumCertificate]]:
-        """Certified heads above ``after`` as ``address`` tells them: unverified, hand them to
-        :meth:`HeadChain.catch_up`, which checks every link."""
+    async def head_links(self, address: str, experiment_id: str, after: int) -> HeadLinks:
+        """A page of the certified heads above ``after`` as ``address`` tells them:
+        unverified, the receiving chain checks every link (:meth:`HeadChain.extend_links`)."""
         path = f"/v1/heads/{experiment_id}?after={after}"
         async with self.request("GET", address, path) as response:
             body = await _read_limited(response, MAX_HEAD_LINKS_BYTES)
-        return decode(HeadLinks, body, max_bytes=MAX_HEAD_LINKS_BYTES).links
+        return decode(HeadLinks, body, max_bytes=MAX_HEAD_LINKS_BYTES)
 
     async def record(self, address: str, record_id: str) -> bytes:
         """The signed envelope stored under ``record_id`` at ``address``: unverified, the

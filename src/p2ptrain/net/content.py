@@ -16,15 +16,14 @@ from urllib.parse import parse_qs, urlsplit
 
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed
-from p2ptrain.core.records import PeerRecord
+from p2ptrain.core.records import Head, PeerRecord
 from p2ptrain.net.client import HeadLinks, PeerRecords
 from p2ptrain.net.peers import PeerBook
-from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE, HeadChain
 from p2ptrain.store.blobs import BlobStore
 
 __all__ = ["Answer", "LocalContent", "parse_range", "text_answer"]
 
-MAX_LINKS_PER_ANSWER = 256
 _BLOB_PATH = re.compile(r"/v1/blobs/([0-9a-f]{64})")
 _HEADS_PATH = re.compile(r"/v1/heads/([0-9a-f]{64})")
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
@@ -98,12 +97,21 @@ class LocalContent:
                 after = int(parse_qs(parts.query).get("after", ["0"])[0])
             except ValueError:
                 return text_answer(400, "after= must be an integer height")
-            links = chain.links_after(after)[:MAX_LINKS_PER_ANSWER]
-            return Answer(200, {"Content-Type": "application/msgpack"}, encode(HeadLinks(links)))
+            page = HeadLinks(
+                chain.links_after(after)[:MAX_LINKS_PER_PAGE],
+                tip=chain.height,
+                held=sorted(chain.held_heights(self._holds)),
+            )
+            return Answer(200, {"Content-Type": "application/msgpack"}, encode(page))
         for prefix, handler in self.handlers.items():
             if path.startswith(prefix):
                 return handler(target)
         return text_answer(404, f"no such resource {path[:80]!r}")
+
+    def _holds(self, head: Head) -> bool:
+        """Whether the store holds the state of ``head``: its weights and optimizer state."""
+        named = (head.weights_blob, head.optimizer_blob)
+        return all(self.blobs.has(blob_id) for blob_id in named if blob_id is not None)
 
     def _blob(self, blob_id: str, range_header: str | None) -> Answer:
         if not self.blobs.has(blob_id):

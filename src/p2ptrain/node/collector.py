@@ -126,10 +126,15 @@ class BlobCollector:
         self._wanted.set()
 
     def snapshot(
-        self, height: int, head_at: Callable[[int], Head | None], in_use: Iterable[Head]
+        self,
+        height: int,
+        head_at: Callable[[int], Head | None],
+        in_use: Iterable[Head],
+        sending: Iterable[str] = (),
     ) -> KeepSet:
         """The keep set at ``height`` (the node's highest certified head; ``head_at`` its
-        chain's head at a height, ``in_use`` the heads its roles build on). Updates and
+        chain's head at a height, ``in_use`` the heads its roles build on, ``sending`` our
+        update blobs still being pushed). Updates and
         heads released here are forgotten: if their pass fails they are collected later,
         as blobs the node knows nothing of."""
         heights = range(self._heads_from, height + 1)
@@ -141,6 +146,7 @@ class BlobCollector:
             in_use=in_use,
             updates=[(window, blob) for blob, window in self._windows.items()],
             pinned=self.pinned,
+            sending=sending,
         )
         floor = height - UPDATE_WINDOWS_KEPT
         self._windows = {blob: w for blob, w in self._windows.items() if w > floor}

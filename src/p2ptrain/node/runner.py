@@ -33,6 +33,7 @@ from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (
     AggregateFetch,
     BlobFetch,
@@ -90,6 +91,8 @@ class RoleRunner:
         self._wake = asyncio.Event()
         self._queued: list[tuple[Step, str, int | None]] = []
         self._finished = False
+        #: The last notice logged (each is logged once).
+        self._noticed = ""
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class RoleRunner:
     def state(self) -> RoleState:
         return RoleState(
             role=self.role,
-            last_reason=self.machine.last_reason,
+            last_reason=self.machine.catching_up or self.machine.last_reason,
             failures_in_a_row=self.failures.in_a_row(self.role),
             statistics=asdict(self.machine.statistics()),
         )
@@ -196,12 +199,11 @@ class RoleRunner:
             else:
                 self.execute(self.policy.record(now, record, len(message.data)))
 
-    def offer_chain(
-        self, links: Any, weights: bytes, optimizer: bytes | None, sender: bytes
-    ) -> None:
-        """A verified-by-hash catch-up answer: adopt what lies above our chain."""
+    def offer_links(self, page: ChainPage) -> None:
+        """A catch-up page the node's periodic sync fetched: verify and adopt its links,
+        then fetch what follows."""
         with self.guard("catching up"):
-            self.execute(self.policy.chain(time.monotonic(), links, weights, optimizer, sender))
+            self.execute(self.policy.links(time.monotonic(), page))
 
     async def _tick_forever(self) -> None:
         """Tick the machine when it asked to be ticked, or sooner when something arrived;
@@ -262,6 +264,10 @@ class RoleRunner:
             services.on_adopted(self.machine, effect)
         elif isinstance(effect, act.Reported):
             services.report(effect.peer_id, effect.reason)
+        elif isinstance(effect, act.Notice):
+            if effect.reason != self._noticed:  # once, until something else is said
+                self._noticed = effect.reason
+                logger.warning("%s: %s", self.role, effect.reason)
         else:
             raise TypeError(f"the {self.role} role has no use for {type(effect).__name__}")
 
@@ -318,11 +324,10 @@ class RoleRunner:
             )
         if isinstance(request, WindowSync):
             return await services.sync_window(request.window, request.held)
-        address = None if request.peer is None else services.net.address_of(request.peer)
-        answer = await services.fetch_chain(lambda: self.machine.chain.height, address)
-        if answer is None:
-            raise TransportError("no peer had certified heads above ours")
-        return answer
+        address = None
+        if request.peer is not None and request.peer != services.peer_id:
+            address = services.net.address_of(request.peer)
+        return await services.fetch_chain(lambda: self.machine.chain.height, address)
 
 
 _FETCHING = {

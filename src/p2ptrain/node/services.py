@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
+from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
@@ -38,10 +38,11 @@ from p2ptrain.node.status import PeerReport
 from p2ptrain.node.storage import StorageHealth
 from p2ptrain.node.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.chain import HELD_HEADS_REPORTED, MAX_LINKS_PER_PAGE, ChainPage
 from p2ptrain.protocol.intake import ACCEPTED, Admission
 from p2ptrain.protocol.role import RoleMachine
 
-__all__ = ["CatchUp", "PeerServices", "experiment_topic"]
+__all__ = ["NothingAbove", "PeerServices", "experiment_topic"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ _RECENT_REPORTS = 20
 #: The same report from several roles (each judged the same record) counts once.
 _SAME_REPORT_S = 5.0
 
-#: A verified catch-up answer: the certified links and the last one's state blobs.
-CatchUp = tuple[list[tuple[Head, QuorumCertificate]], bytes, bytes | None, bytes]
+
+class NothingAbove(TransportError):
+    """No peer asked for the certified chain had heads above ours (said with what each
+    did): the usual answer of a node's periodic sync, not a fault."""
 
 
 def experiment_topic(experiment_id: str) -> str:
@@ -308,37 +311,46 @@ class PeerServices:
         height: Callable[[], int],
         address: str | None = None,
         among: Sequence[str] | None = None,
-    ) -> CatchUp | None:
-        """Certified heads above ``height()`` from a peer (``address``, or those ``among``,
-        or the providers; hedged) and the last one's state; None if nobody has more. One
-        catch-up at a time (a role waits for another's, then asks only for what it still
-        lacks). The links are checked by the machine that receives them, the blobs by hash
-        on arrival."""
+    ) -> ChainPage:
+        """A page of the certified heads above ``height()`` from a peer (``address``, or
+        those ``among``, or the providers; hedged): the first answer with links above ours,
+        with what its node holds. One catch-up page at a time (a role waits for another's,
+        then asks only for what it still lacks). The links are checked by the machine that
+        receives them. Raises :class:`TransportError` saying what each peer asked did when
+        none had heads above ours."""
         async with self._catching_up:
             above = height()
+            outcomes: dict[str, str] = {}
 
-            async def ask(provider: str) -> tuple[list[tuple[Head, QuorumCertificate]], str] | None:
+            async def ask(provider: str) -> ChainPage | None:
                 try:
-                    links = await self.net.client.head_links(provider, self.experiment_id, above)
-                except (TransportError, ProtocolViolation) as exc:
+                    answer = await self.net.client.head_links(provider, self.experiment_id, above)
+                except TransportError as exc:
                     self.transport_fault(provider, str(exc))
-                    logger.debug("catch-up from %s: %s", provider, exc)
+                    outcomes[provider] = str(exc)
                     return None
-                links = [(h, c) for h, c in links if h.height > above]
-                return (links, provider) if links else None
+                except ProtocolViolation as exc:
+                    self.blame(provider, f"served a bad page of certified heads: {exc}")
+                    outcomes[provider] = f"a bad answer ({exc})"
+                    return None
+                links = tuple(
+                    (h, c) for h, c in answer.links[:MAX_LINKS_PER_PAGE] if h.height > above
+                )
+                if not links:
+                    outcomes[provider] = f"no certified heads above height {above} (its tip: "
+                    outcomes[provider] += f"{answer.tip})"
+                    return None
+                held = frozenset(sorted(answer.held)[-HELD_HEADS_REPORTED:])
+                return ChainPage(links, answer.tip, held, self.key_at(provider))
 
             if address is not None:
                 among = [address]
-            found = await self.first_answer(self.providers() if among is None else among, ask)
+            asked = self.providers() if among is None else list(among)
+            found = await self.first_answer(asked, ask)
             if found is None:
-                return None
-            links, provider = found
-            try:
-                weights, optimizer = await self.fetch_head_blobs(links[-1][0], ())
-            except (TransportError, ProtocolViolation) as exc:
-                logger.info("catch-up weights: %s", exc)
-                return None
-            return links, weights, optimizer, self.key_at(provider)
+                said = "; ".join(f"{a}: {outcomes.get(a, 'no answer')}" for a in asked)
+                raise NothingAbove(f"catch-up above height {above}: {said or 'no peers'}")
+            return found
 
     async def sync_window(self, window: int, held: frozenset[str]) -> list[Signed[Any]]:
         """Anti-entropy: ask a few peers which updates and proposals of ``window`` they keep

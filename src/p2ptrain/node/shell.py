@@ -38,7 +38,7 @@ import torch
 from prometheus_client.core import Metric
 
 from p2ptrain.aggregate.codecs import max_update_bytes
-from p2ptrain.core.certificate import CertifiedLink
+from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Attestation, Head, MetricsReport, Proposal, Update
@@ -68,7 +68,7 @@ from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import METRICS_KIND, NodeStore
 from p2ptrain.node.roles import role_runners
 from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
+from p2ptrain.node.services import NothingAbove, PeerServices
 from p2ptrain.node.setup import NodeSettings, Prepared
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.status import (
@@ -310,21 +310,10 @@ class Node:
     def _restore(self) -> None:
         """Resume from the stored chain (verified again from genesis), or start fresh."""
         now = time.monotonic()
-        links = self.store.links(self.experiment_id)
-        if links:
+        links, state = self._resumable(self.store.links(self.experiment_id))
+        if links and state is not None:
             tip = links[-1][0]
-            try:
-                weights = bytes(self.store.blobs.get(tip.weights_blob))
-                optimizer = (
-                    None
-                    if tip.optimizer_blob is None
-                    else bytes(self.store.blobs.get(tip.optimizer_blob))
-                )
-            except (OSError, ProtocolViolation) as exc:
-                raise LocalError(
-                    f"the weights of stored head {tip.height} are missing or damaged ({exc}); "
-                    "move the data directory away and join again"
-                ) from exc
+            weights, optimizer = state
             self._stored_height = tip.height
             self.telemetry.history.load()
             parent: Head | None = None
@@ -354,6 +343,30 @@ class Node:
             self.collector.request()  # what an earlier run left
 
     # -- gossip in ------------------------------------------------------------------------
+
+    def _resumable(
+        self, links: list[tuple[Head, QuorumCertificate]]
+    ) -> tuple[list[tuple[Head, QuorumCertificate]], tuple[bytes, bytes | None] | None]:
+        """The stored links up to the highest head whose state the store still holds, and
+        that state: a node whose newest state was lost (a full disk, a crash between a
+        link and its blobs) resumes from an older head and catches up with its peers."""
+        blobs, reason = self.store.blobs, ""
+        for index in range(len(links) - 1, -1, -1):
+            head = links[index][0]
+            try:
+                weights = bytes(blobs.get(head.weights_blob))
+                optimizer = None
+                if head.optimizer_blob is not None:
+                    optimizer = bytes(blobs.get(head.optimizer_blob))
+            except (OSError, ProtocolViolation) as exc:
+                reason = reason or f"the state of stored head {head.height} is gone ({exc})"
+                continue
+            if reason:
+                logger.warning("%s; resuming from height %d and catching up", reason, head.height)
+            return links[: index + 1], (weights, optimizer)
+        if reason:
+            logger.warning("%s; resuming from genesis and catching up", reason)
+        return [], None
 
     def _check_message(self, message: Delivered) -> str | Refusal | None:
         """The topic validator, before anything is kept or forwarded: None to accept, else
@@ -447,7 +460,8 @@ class Node:
             aggregate = machine.aggregate_of(action.head_id)
             if aggregate is not None:  # peers that hold the parent fetch only this
                 blobs.put(aggregate)
-        for height in range(self._stored_height + 1, machine.chain.height + 1):
+        # links up to the adopted head (its state is held): a restart resumes from there
+        for height in range(self._stored_height + 1, head.height + 1):
             link = machine.chain.at(height)
             if link is not None and link.certificate is not None:
                 self.store.put_link(link.head, link.certificate)
@@ -507,7 +521,8 @@ class Node:
 
     def _keep_set(self, collector: BlobCollector) -> KeepSet:
         """What the node keeps now: the blobs of its chain's last heads and of the heads its
-        roles build on, the updates of recent windows, genesis and the dataset's shards."""
+        roles build on, the updates of recent windows and ours still being pushed, genesis and
+        the dataset's shards."""
         chain = self._serving().machine.chain
 
         def head_at(height: int) -> Head | None:
@@ -515,7 +530,8 @@ class Node:
             return None if link is None else link.head
 
         in_use = [runner.machine.base.head for runner in self.runners]
-        return collector.snapshot(chain.height, head_at, in_use)
+        sending = [b for r in self.runners if isinstance(r, TrainerRunner) for b in r.pushing]
+        return collector.snapshot(chain.height, head_at, in_use, sending)
 
     def _check_target(self) -> None:
         target = self.settings.windows
@@ -552,13 +568,14 @@ class Node:
             try:
                 if providers:
                     # two at random, hedged: a hung or trickling one costs a second
-                    answer = await self.services.fetch_chain(
+                    page = await self.services.fetch_chain(
                         lambda: min(r.machine.chain.height for r in self.runners),
                         among=rng.sample(providers, min(2, len(providers))),
                     )
-                    if answer is not None:
-                        for runner in self.runners:
-                            runner.offer_chain(*answer)
+                    for runner in self.runners:
+                        runner.offer_links(page)
+            except NothingAbove as exc:  # the usual answer: we are at the tip
+                logger.debug("sync: %s", exc)
             except Exception as exc:  # never the end of the node: the next round tries again
                 if self.services.storage.check("catching up", exc):
                     pass

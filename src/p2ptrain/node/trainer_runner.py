@@ -124,6 +124,8 @@ class TrainerRunner(RoleRunner):
         self._trained: list[Trained] = []
         #: Our own pseudo-gradients of windows no certified head we hold includes yet.
         self._own: dict[int, dict[str, torch.Tensor]] = {}
+        #: Our update blobs being pushed to a reachable peer (the collector keeps them).
+        self.pushing: set[str] = set()
 
     def forever(self) -> Iterator[tuple[str, Step]]:
         yield "waiting to train", self._train_forever()
@@ -301,8 +303,10 @@ class TrainerRunner(RoleRunner):
         services = self.services
         signed, blob = effect.record, effect.blob
         assert isinstance(signed, Signed) and blob is not None
-        if services.net.address is None:
-            await self._push(sha256_hex(blob))
+        if services.net.address is None and not await self._push(
+            sha256_hex(blob), signed.record.window
+        ):
+            return
         if effect.again:
             # said again because no proposal named it: it must reach someone this time
             async with asyncio.timeout(_RESEND_WAIT_S):
@@ -324,22 +328,43 @@ class TrainerRunner(RoleRunner):
             )
         )
 
-    async def _push(self, blob_id: str) -> None:
-        """An outbound-only trainer hands its blob to a reachable peer (a seed first)."""
+    async def _push(self, blob_id: str, window: int) -> bool:
+        """An outbound-only trainer hands its blob to a reachable peer (a seed first),
+        trying again while the window is open. False when the push was dropped: the window
+        was certified meanwhile, or the blob is gone (said with the reason; neither is the
+        role's failure). The collector keeps the blob while it is pushed (:attr:`pushing`)."""
         services = self.services
         path = services.store.blobs.path(blob_id)
         errors = []
-        for attempt in range(FETCH_ATTEMPTS):
-            for address in services.providers():
-                try:
-                    if await services.net.client.push_blob(address, blob_id, path):
-                        size = path.stat().st_size
-                        services.telemetry.count_bytes("sent", "update", size)
-                    return
-                except (TransportError, ProtocolViolation) as exc:
-                    errors.append(f"{address}: {exc}")
-            await asyncio.sleep(0.5 * 2**attempt)
+        self.pushing.add(blob_id)
+        try:
+            for attempt in range(FETCH_ATTEMPTS):
+                for address in services.providers():
+                    dropped = self._push_dropped(blob_id, window)
+                    if dropped is not None:
+                        logger.info("window %d: update blob %s not pushed: %s", window,
+                                    blob_id[:12], dropped)  # fmt: skip
+                        return False
+                    try:
+                        if await services.net.client.push_blob(address, blob_id, path):
+                            services.telemetry.count_bytes("sent", "update", path.stat().st_size)
+                        return True
+                    except FileNotFoundError:
+                        continue  # collected as we opened it: said above, on the next turn
+                    except (TransportError, ProtocolViolation) as exc:
+                        errors.append(f"{address}: {exc}")
+                await asyncio.sleep(0.5 * 2**attempt)
+        finally:
+            self.pushing.discard(blob_id)
         raise TransportError(f"no peer took update blob {blob_id[:12]}: {'; '.join(errors[-3:])}")
+
+    def _push_dropped(self, blob_id: str, window: int) -> str | None:
+        """Why pushing ``blob_id`` (our update of ``window``) is no longer worth it."""
+        if self.machine.chain.height >= window:
+            return f"window {window} was certified meanwhile"
+        if not self.services.store.blobs.has(blob_id):
+            return "the blob is no longer in the store"
+        return None
 
     def _load_state(self) -> None:
         loaded = self.services.store.load_trainer_state()

@@ -19,6 +19,7 @@ __all__ = [
     "FetchChain",
     "FetchState",
     "FetchUpdates",
+    "Notice",
     "Reported",
     "SendAttestation",
     "SendCertificate",
@@ -102,8 +103,9 @@ class FetchAggregate:
 
 @dataclass(frozen=True, slots=True)
 class FetchChain:
-    """Fetch the certified heads above ``after_height`` from ``peer`` (catch-up), and the
-    last one's weights."""
+    """Fetch a page of the certified heads above ``after_height`` from ``peer``
+    (catch-up; the links are verified as they arrive, a held head's state is fetched
+    after the last page)."""
 
     peer: bytes
     after_height: int
@@ -127,6 +129,14 @@ class Reported:
 
 
 @dataclass(frozen=True, slots=True)
+class Notice:
+    """Something the operator should know and the machine cannot fix by itself (no
+    provider holds a state it needs): logged once at WARNING, shown in the status."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Train:
     """Train window ``window`` from the canonical head ``base_head`` on this lease."""
 
@@ -146,5 +156,6 @@ Action = (
     | SyncWindow
     | Adopted
     | Reported
+    | Notice
     | Train
 )

@@ -17,7 +17,20 @@ from p2ptrain.core.certificate import QuorumCertificate, Verdict
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Head
 
-__all__ = ["CertifiedHead", "HeadChain", "genesis_head", "verify_link"]
+__all__ = [
+    "MAX_LINKS_PER_PAGE",
+    "CertifiedHead",
+    "ChainPage",
+    "HeadChain",
+    "genesis_head",
+    "verify_link",
+]
+
+#: The most certified links one catch-up answer carries; a node further behind asks for
+#: the next page after the last link it verified.
+MAX_LINKS_PER_PAGE = 256
+#: How many of its newest heads a provider checks when it says which states it holds.
+HELD_HEADS_REPORTED = 64
 
 
 def genesis_head(manifest: ExperimentManifest, experiment_id: str | None = None) -> Head:
@@ -36,6 +49,20 @@ class CertifiedHead:
     head: Head
     head_id: str
     certificate: QuorumCertificate | None  # None only for genesis
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPage:
+    """One catch-up answer: up to :data:`MAX_LINKS_PER_PAGE` certified links above the
+    height asked for (unverified: the receiving chain checks each), the provider's own
+    height (``tip``: more pages follow while the links end below it), the heights among
+    its newest heads whose blobs it holds (``held``: a client asks for those states, never
+    for collected ones), and the provider's public key (``sender``)."""
+
+    links: tuple[tuple[Head, QuorumCertificate], ...]
+    tip: int
+    held: frozenset[int]
+    sender: bytes
 
 
 def verify_link(
@@ -126,6 +153,29 @@ class HeadChain:
         """Adopt a chain from an untrusted peer: every link must verify against our tip in
         order, and ``weights_ok(last head)`` must confirm the fetched weights hash; on any
         failure nothing is adopted."""
+        checked = self._checked(links)
+        if isinstance(checked, Verdict):
+            return checked
+        if not weights_ok(checked[-1].head):
+            return Verdict(False, "catch-up rejected: the final weights do not match the head")
+        self._links.extend(checked)
+        return Verdict(True, f"caught up {len(checked)} heads to height {self.height}")
+
+    def extend_links(self, links: Sequence[tuple[Head, QuorumCertificate]]) -> Verdict:
+        """Adopt a page of certified links from an untrusted peer, without their states:
+        every link must verify against our tip in order; on any failure nothing is
+        adopted. (The node fetches a state it needs afterwards, checked by its hash.)"""
+        checked = self._checked(links)
+        if isinstance(checked, Verdict):
+            return checked
+        self._links.extend(checked)
+        return Verdict(True, f"verified {len(checked)} certified heads to height {self.height}")
+
+    def _checked(
+        self, links: Sequence[tuple[Head, QuorumCertificate]]
+    ) -> list[CertifiedHead] | Verdict:
+        """The links above our tip, each verified against the one before (the first
+        against our tip), or the verdict that rejects them."""
         if not links:
             return Verdict(False, "no heads to catch up with")
         parent_id, parent_height = self.tip.head_id, self.tip.head.height
@@ -142,10 +192,13 @@ class HeadChain:
             parent_id, parent_height = checked[-1].head_id, head.height
         if not checked:
             return Verdict(False, "the peer's chain is not longer than ours")
-        if not weights_ok(checked[-1].head):
-            return Verdict(False, "catch-up rejected: the final weights do not match the head")
-        self._links.extend(checked)
-        return Verdict(True, f"caught up {len(checked)} heads to height {parent_height}")
+        return checked
+
+    def held_heights(self, holds: Callable[[Head], bool]) -> frozenset[int]:
+        """The heights among our newest :data:`HELD_HEADS_REPORTED` heads whose blobs
+        ``holds`` (what a provider tells a node catching up)."""
+        newest = self._links[-HELD_HEADS_REPORTED:]
+        return frozenset(link.head.height for link in newest if holds(link.head))
 
     def _verify(
         self, parent: tuple[str, int], head: Head, certificate: QuorumCertificate

@@ -15,7 +15,7 @@ from typing import Any
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head, Update
-from p2ptrain.protocol.actions import Adopted, Reported, Train
+from p2ptrain.protocol.actions import Adopted, Notice, Reported, Train
 
 __all__ = [
     "AggregateFetch",
@@ -113,7 +113,8 @@ class AggregateFetch:
 
 @dataclass(frozen=True, slots=True)
 class ChainFetch:
-    """The certified heads above ``after_height`` and the last one's state (catch-up)."""
+    """A page of the certified heads above ``after_height`` (catch-up); the answer is a
+    :class:`~.chain.ChainPage`."""
 
     peer: str | None
     after_height: int
@@ -148,5 +149,14 @@ class TrainLater:
 
 
 Effect = (
-    Publish | StoreBlob | StoreRecord | StoreVote | Fetch | TrainLater | Train | Reported | Adopted
+    Publish
+    | StoreBlob
+    | StoreRecord
+    | StoreVote
+    | Fetch
+    | TrainLater
+    | Train
+    | Reported
+    | Notice
+    | Adopted
 )

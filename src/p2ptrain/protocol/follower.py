@@ -8,6 +8,15 @@ to the head's weights and optimizer blobs, else it fetches the full state -- or 
 full state from the peer that sent the certificate, checking its hashes against the head. A
 certificate more than one height ahead starts a catch-up from that peer, verified link by
 link.
+
+Catch-up at any distance: the links come in pages (:class:`~.chain.ChainPage`, at most
+:data:`~.chain.MAX_LINKS_PER_PAGE` each); each page is verified against the chain and
+adopted as links (without states), and the next is asked for until the chain reaches the
+provider's tip. Then the follower fetches a state the provider says it holds -- the
+aggregate of the head after its base while that is held and the tip is near, else the
+newest held head's full state -- never the state of a head every node has collected.
+While its base is behind the chain it says so (:attr:`Follower.catching_up`); when nobody
+holds the state it needs, it says that too (a :class:`~.actions.Notice`).
 """
 
 from __future__ import annotations
@@ -32,18 +41,21 @@ from p2ptrain.protocol.actions import (
     FetchAggregate,
     FetchChain,
     FetchState,
+    Notice,
     Reported,
 )
-from p2ptrain.protocol.chain import CertifiedHead, HeadChain
+from p2ptrain.protocol.chain import CertifiedHead, ChainPage, HeadChain
 from p2ptrain.protocol.reduction import BaseState, outer_step
+from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 
 __all__ = ["Follower", "FollowerStatistics"]
 
 #: The largest weights or optimizer blob a follower decodes (4 GiB).
 MAX_STATE_BYTES = 4 << 30
 #: How far behind the chain's tip a follower still goes link by link, by aggregates;
-#: further, it fetches the tip's full state.
-MAX_AGGREGATE_LINKS = 8
+#: further, it fetches a full state. Peers keep the blobs (aggregates included) of their
+#: last ``--keep-heads`` heads, 3 by default: older aggregates are collected everywhere.
+MAX_AGGREGATE_LINKS = DEFAULT_KEEP_HEADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +68,8 @@ class FollowerStatistics:
     last_reason: str
     aggregates_applied: int
     aggregate_mismatches: int
+    #: Empty while the base is at the tip; else where catch-up stands, for people.
+    catching_up: str
 
 
 class Follower:
@@ -87,6 +101,10 @@ class Follower:
             raise ProtocolViolation("the genesis weights do not match manifest.genesis_weights")
         self.base = BaseState(tip.head, tip.head_id, dict(genesis_weights), None)
         self._served: tuple[str, tuple[bytes, bytes | None]] | None = None
+        #: The highest height a provider's verified page said its chain reaches.
+        self._tip_seen = 0
+        #: Why the base cannot reach the chain's tip now (no provider holds a state).
+        self._stalled: str | None = None
 
     # --- what subclasses add -------------------------------------------------------------
 
@@ -119,7 +137,21 @@ class Follower:
             "last_reason": self.last_reason,
             "aggregates_applied": self.aggregates_applied,
             "aggregate_mismatches": self.aggregate_mismatches,
+            "catching_up": self.catching_up,
         }
+
+    @property
+    def catching_up(self) -> str:
+        """Where catch-up stands ("catching up: at height h, tip H ..."), or "" when the
+        base is at the chain's tip or one height behind it (a window being adopted)."""
+        base, chain = self.base.head.height, self.chain.height
+        tip = max(chain, self._tip_seen)
+        if tip - base <= 1 and self._stalled is None:
+            return ""
+        text = f"catching up: at height {base}, tip {tip}"
+        if chain < tip:
+            text += f", certified links verified to {chain}"
+        return text if self._stalled is None else f"{text}; {self._stalled}"
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -130,7 +162,7 @@ class Follower:
         hashes are trusted)."""
         height = self.chain.height
         if head.height > height + 1:
-            return [FetchChain(sender, height)]
+            return [FetchChain(sender, height)]  # verified page by page
         conflicts = len(self.chain.conflicts)
         verdict = self.chain.extend(head, certificate)
         if not verdict:
@@ -215,14 +247,74 @@ class Follower:
     def receive_state(
         self, now: float, head_id: str, weights_blob: bytes, optimizer_blob: bytes | None
     ) -> list[Action]:
-        """The weights (and optimizer state) of the chain's tip, fetched from a peer."""
-        tip = self.chain.tip
-        if tip.head_id != head_id or self.base.head_id == head_id:
+        """The weights (and optimizer state) of a certified head above our base (the
+        chain's tip, or a head a provider still held on the way to it), fetched from a
+        peer: adopted, and on towards the tip."""
+        link = self._link_above_base(head_id)
+        if link is None:
             return []
-        state = self._decode_state(tip.head, head_id, weights_blob, optimizer_blob)
+        state = self._decode_state(link.head, head_id, weights_blob, optimizer_blob)
         if isinstance(state, str):
             return [Reported("state", state)]
-        return self._adopt(now, state, f"adopted height {tip.head.height}")
+        actions = self._adopt(now, state, f"adopted height {link.head.height}")
+        return actions + self._toward_tip(None, frozenset())
+
+    def receive_links(self, now: float, page: ChainPage) -> list[Action]:
+        """A page of a catch-up answer: its links above our chain verified and adopted
+        (without states), then the next page while the provider's chain goes on, then a
+        state the provider holds."""
+        sender = page.sender
+        above = [(h, c) for h, c in page.links if h.height > self.chain.height]
+        if above:
+            verdict = self.chain.extend_links(above)
+            if not verdict:
+                return [Reported(peer_id_of(sender), verdict.reason)]
+            self._tip_seen = max(self._tip_seen, page.tip)
+            if self.chain.height < page.tip:
+                self.last_reason = self.catching_up
+                return [FetchChain(sender, self.chain.height)]  # the next page
+        return self._toward_tip(sender, page.held)
+
+    def state_unavailable(self, head: Head, head_id: str) -> list[Action]:
+        """Nobody served the state of ``head`` (every try failed in transit): say so once;
+        the driver asks again later (a newer head, another provider)."""
+        self._stalled = (
+            f"no provider holds the state of head {head_id[:12]} at height {head.height}; "
+            "asking other peers as the chain moves"
+        )
+        self.last_reason = self.catching_up
+        return [Notice(self.last_reason)]
+
+    def resume_catch_up(self) -> list[Action]:
+        """Ask again for the state the base needs (the driver's back-off passed)."""
+        return self._toward_tip(None, frozenset())
+
+    def _toward_tip(self, provider: bytes | None, held: frozenset[int]) -> list[Action]:
+        """What brings the base to the chain's tip: the aggregate of the next head while
+        the tip is near (and the provider holds it, when it said what it holds), else the
+        full state of the newest head the provider holds (of the tip, from anyone, when
+        it holds none above our base)."""
+        base = self.base.head.height
+        if self.chain.height <= base:
+            return []
+        following = self._next_link()
+        if following is not None and (not held or following.head.height in held):
+            return [FetchAggregate(provider, following.head, following.head_id)]
+        heights = [h for h in held if base < h <= self.chain.height]
+        target = self.chain.at(max(heights)) if heights else None
+        if target is None:
+            target, provider = self.chain.tip, None
+        if self.chain.height - base > 1:
+            self.last_reason = self.catching_up
+        return [FetchState(provider, target.head, target.head_id)]
+
+    def _link_above_base(self, head_id: str) -> CertifiedHead | None:
+        """The certified head ``head_id`` of our chain above the base, if it is one."""
+        for height in range(self.chain.height, self.base.head.height, -1):
+            link = self.chain.at(height)
+            if link is not None and link.head_id == head_id:
+                return link
+        return None
 
     def receive_chain(
         self,
@@ -286,6 +378,7 @@ class Follower:
 
     def _adopt(self, now: float, state: BaseState, reason: str) -> list[Action]:
         self.base = state
+        self._stalled = None
         self.last_reason = f"adopted height {state.head.height}: {reason}"
         return [Adopted(state.head, state.head_id, reason), *self._on_base(now)]
 

@@ -17,7 +17,10 @@ and answers with effects (:mod:`.effects`) for a transport to carry out:
 * **retry and back-off** -- a fetch that failed in transit is tried again after 0.5, 1, 2,
   ... s (at most 5 s) while what it is for is still needed, a bounded number of times; one
   answered with bytes proven wrong is not (the fetcher already blamed the provider);
-* **catch-up** -- a certificate more than one height ahead fetches the chain from its sender;
+* **catch-up** -- a certificate more than one height ahead fetches the chain from its sender,
+  one page at a time (one catch-up in flight); a state nobody serves is given up after
+  :data:`STATE_ATTEMPTS` tries, said once (a :class:`~.actions.Notice`), and asked for
+  again every :data:`CATCH_UP_RETRY_S` while the base is behind;
 * **anti-entropy** -- a participant whose window is stuck past its deadline asks its peers
   which of the window's records they hold and fetches those it lacks (:class:`WindowSync`;
   a failed sync is not retried, the next slot asks again); a trainer's update that no
@@ -38,6 +41,7 @@ from p2ptrain.core.envelope import Signed
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Attestation, Head, Proposal, Update
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (
     AggregateFetch,
     BlobFetch,
@@ -60,6 +64,7 @@ from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.protocol.trainer import TrainerMachine
 
 __all__ = [
+    "CATCH_UP_RETRY_S",
     "EARLY_PER_SIGNER_BYTES",
     "EARLY_TOTAL_BYTES",
     "FETCH_ATTEMPTS",
@@ -76,6 +81,11 @@ FETCH_ATTEMPTS = 6
 STATE_ATTEMPTS = 12
 #: Tries of a head's aggregate before fetching its full state instead.
 AGGREGATE_ATTEMPTS = 3
+#: After a state nobody served, how long before it is asked for again (a newer head's
+#: certificate or a sync page asks sooner).
+CATCH_UP_RETRY_S = 10.0
+#: A catch-up page asked for this long ago without an answer no longer holds others up.
+_CHAIN_FETCH_STALE_S = 60.0
 #: After this many tries a fetch asks anyone, not the peers named first.
 _NAMED_ATTEMPTS = 2
 #: Bytes of early updates and proposals kept per signer and in all.
@@ -97,6 +107,10 @@ class RolePolicy:
     def __init__(self, machine: RoleMachine) -> None:
         self.machine = machine
         self._fetching_states: set[str] = set()
+        #: When the catch-up page in flight was asked for (None: none is).
+        self._chain_asked: float | None = None
+        #: When to ask again for a state nobody served (None: nothing to resume).
+        self._resume_at: float | None = None
 
     # -- inputs -----------------------------------------------------------------------
 
@@ -105,7 +119,11 @@ class RolePolicy:
         return []
 
     def tick(self, now: float) -> list[Effect]:
-        return self.carry(now, self.machine.tick(now))
+        effects = self.carry(now, self.machine.tick(now))
+        if self._resume_at is not None and now >= self._resume_at and not self._fetching_states:
+            self._resume_at = None
+            effects += self.carry(now, self.machine.resume_catch_up())
+        return effects
 
     def certificate(
         self, now: float, head: Head, certificate: QuorumCertificate, sender: bytes
@@ -116,24 +134,14 @@ class RolePolicy:
         """An update, proposal or attestation that passed intake (``size``: its bytes)."""
         return []
 
-    def chain(
-        self,
-        now: float,
-        links: Sequence[tuple[Head, QuorumCertificate]],
-        weights: bytes,
-        optimizer: bytes | None,
-        sender: bytes,
-    ) -> list[Effect]:
-        """A catch-up answer (its blobs verified by hash): adopt what lies above us."""
-        height = self.machine.chain.height
-        above = [(h, c) for h, c in links if h.height > height]
-        if not above:
-            return []
-        return self.carry(now, self.machine.receive_chain(now, above, weights, optimizer, sender))
+    def links(self, now: float, page: ChainPage) -> list[Effect]:
+        """A catch-up page (from our own fetch or the node's periodic sync): verify and
+        adopt its links, then ask for what follows."""
+        return self.carry(now, self.machine.receive_links(now, page))
 
     def fetched(self, now: float, request: Request, answer: Any) -> list[Effect]:
         """A fetch succeeded: ``answer`` is the blob, the signed record, the
-        ``(weights, optimizer)`` pair or the ``(links, weights, optimizer, sender)`` tuple."""
+        ``(weights, optimizer)`` pair or the :class:`~.chain.ChainPage`."""
         if isinstance(request, StateFetch):
             self._fetching_states.discard(request.head_id)
             weights, optimizer = answer
@@ -144,7 +152,9 @@ class RolePolicy:
             self._fetching_states.discard(request.head_id)
             return self.carry(now, self.machine.receive_aggregate(now, request.head_id, answer))
         if isinstance(request, ChainFetch):
-            return self.chain(now, *answer)
+            self._chain_asked = None
+            assert isinstance(answer, ChainPage)
+            return self.links(now, answer)
         return []
 
     def fetch_failed(self, now: float, request: Request, *, proven_bad: bool) -> list[Effect]:
@@ -152,13 +162,22 @@ class RolePolicy:
         every answer was proven wrong (the providers were blamed; not tried again)."""
         if isinstance(request, StateFetch):
             machine = self.machine
+            link = machine.chain.at(request.head.height)
+            others = self._fetching_states - {request.head_id}
             needed = (
-                machine.chain.tip.head_id == request.head_id
-                and machine.base.head_id != request.head_id
+                link is not None
+                and link.head_id == request.head_id
+                and machine.base.head.height < request.head.height
+                and (link.head_id == machine.chain.tip.head_id or not others)
             )
             if needed and request.attempt + 1 < STATE_ATTEMPTS:
                 return [self._again(request)]
             self._fetching_states.discard(request.head_id)
+            if needed:  # nobody serves it: said once, asked for again after a while
+                self._resume_at = now + CATCH_UP_RETRY_S
+                return self.carry(now, machine.state_unavailable(request.head, request.head_id))
+        elif isinstance(request, ChainFetch):
+            self._chain_asked = None
         elif isinstance(request, AggregateFetch):
             machine = self.machine
             link = machine.chain.at(request.head.height)
@@ -195,12 +214,21 @@ class RolePolicy:
             kind = StateFetch if isinstance(action, act.FetchState) else AggregateFetch
             return [Fetch(kind(action.head, action.head_id, first))]
         if isinstance(action, act.FetchChain):
-            return [Fetch(ChainFetch(peer_id_of(action.peer), action.after_height))]
+            fetch = self._chain_fetch(now, peer_id_of(action.peer), action.after_height)
+            return [] if fetch is None else [fetch]
         if isinstance(action, act.Adopted):
             return [action, *self.adopted(now, action)]
-        if isinstance(action, act.Reported | act.Train):
+        if isinstance(action, act.Reported | act.Notice | act.Train):
             return [action]
         raise TypeError(f"{type(self.machine).__name__} has no use for {type(action).__name__}")
+
+    def _chain_fetch(self, now: float, peer: str | None, after: int) -> Fetch | None:
+        """A catch-up page to ask for, unless one is in flight (its answer asks for the
+        next page itself)."""
+        if self._chain_asked is not None and now - self._chain_asked < _CHAIN_FETCH_STALE_S:
+            return None
+        self._chain_asked = now
+        return Fetch(ChainFetch(peer, after))
 
     def adopted(self, now: float, action: act.Adopted) -> list[Effect]:
         """The machine moved to a new canonical head (after the transport learnt of it)."""
@@ -375,7 +403,9 @@ class ParticipantPolicy(RolePolicy):
             # we ask whether the chain moved past us
             machine = self.machine
             effects: list[Effect] = [Fetch(WindowSync(action.window, machine.held_records()))]
-            effects.append(Fetch(ChainFetch(None, machine.chain.height)))
+            chain_fetch = self._chain_fetch(now, None, machine.chain.height)
+            if chain_fetch is not None:
+                effects.append(chain_fetch)
             tip = machine.chain.tip
             if tip.certificate is not None:
                 link = CertifiedLink(head=tip.head, certificate=tip.certificate)

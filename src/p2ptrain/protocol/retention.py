@@ -10,6 +10,8 @@ A node keeps:
 * the update blobs of windows above ``height - UPDATE_WINDOWS_KEPT``: the open window's,
   those of windows not certified yet, and the last certified window's (peers a window behind
   still fetch them);
+* the node's own update blobs it is still sending (an outbound-only trainer's push being
+  retried), whatever their window;
 * a blob it knows nothing of (a download that just finished, an update pushed to it whose
   record has not arrived yet, a head fetched for a catch-up not adopted yet) until it was
   last written ``grace_s`` ago (:func:`unknown_grace_s`).
@@ -62,6 +64,7 @@ PARTIAL_MAX_AGE_S = 3600.0
 PINNED = "genesis or a dataset shard"
 RECENT_HEAD = "named by a recent head"
 PENDING_UPDATE = "an update of a recent or pending window"
+SENDING = "an update of ours still being pushed"
 OLD_HEAD = "named only by an older head"
 OLD_UPDATE = "an update of an older window"
 YOUNG = "unknown, written within the grace"
@@ -91,9 +94,13 @@ class KeepSet:
     #: Blobs of heads below the last ``keep_heads`` and updates of older windows.
     old_heads: frozenset[str] = frozenset()
     old_updates: frozenset[str] = frozenset()
+    #: The node's own update blobs it is still pushing to a peer.
+    sending: frozenset[str] = frozenset()
 
     def wanted(self, blob_id: str) -> bool:
-        return blob_id in self.pinned or blob_id in self.heads or blob_id in self.updates
+        return any(
+            blob_id in kept for kept in (self.pinned, self.heads, self.updates, self.sending)
+        )
 
 
 def head_blob_ids(head: Head) -> tuple[str, ...]:
@@ -123,13 +130,14 @@ def keep_set(
     in_use: Iterable[Head] = (),
     updates: Iterable[tuple[int, str]] = (),
     pinned: Iterable[str] = (),
+    sending: Iterable[str] = (),
 ) -> KeepSet:
     """The keep set at ``height`` (the node's highest certified head).
 
     ``heads``: certified heads the node holds -- any that include the last ``keep_heads``
     (those below them are released); ``in_use``: the heads its roles build on (kept
     whatever their height); ``updates``: ``(window, delta blob)`` of the updates it knows;
-    ``pinned``: :func:`pinned_blobs`.
+    ``pinned``: :func:`pinned_blobs`; ``sending``: our update blobs still being pushed.
     """
     if keep_heads < 1:
         raise LocalError(f"keep_heads={keep_heads}: keep at least the last head (1 or more)")
@@ -151,6 +159,7 @@ def keep_set(
         updates=frozenset(kept_updates),
         old_heads=frozenset(old_heads),
         old_updates=frozenset(old_updates),
+        sending=frozenset(sending),
     )
 
 
@@ -164,6 +173,8 @@ def blob_verdict(blob_id: str, keep: KeepSet) -> Disposal | None:
         return Disposal(False, RECENT_HEAD)
     if blob_id in keep.updates:
         return Disposal(False, PENDING_UPDATE)
+    if blob_id in keep.sending:
+        return Disposal(False, SENDING)
     if blob_id in keep.old_heads:
         return Disposal(True, OLD_HEAD)
     if blob_id in keep.old_updates:

@@ -15,7 +15,7 @@ from typing import Protocol
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.records import Head
 from p2ptrain.protocol.actions import Action
-from p2ptrain.protocol.chain import HeadChain
+from p2ptrain.protocol.chain import ChainPage, HeadChain
 from p2ptrain.protocol.follower import FollowerStatistics
 from p2ptrain.protocol.reduction import BaseState
 
@@ -52,6 +52,19 @@ class RoleMachine(Protocol):
         optimizer_blob: bytes | None,
         sender: bytes,
     ) -> list[Action]: ...
+
+    def receive_links(self, now: float, page: ChainPage) -> list[Action]:
+        """A catch-up page: its links verified and adopted, then what follows."""
+        ...
+
+    def state_unavailable(self, head: Head, head_id: str) -> list[Action]: ...
+
+    def resume_catch_up(self) -> list[Action]: ...
+
+    @property
+    def catching_up(self) -> str:
+        """Where catch-up stands, for people ("" when the base is at the tip)."""
+        ...
 
     def receive_aggregate(
         self, now: float, head_id: str, aggregate_blob: bytes

@@ -37,6 +37,7 @@ from p2ptrain.core.records import Head, Update
 from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE, ChainPage
 from p2ptrain.protocol.effects import (
     AggregateFetch,
     BlobFetch,
@@ -489,11 +490,12 @@ class World:
         answer: Any = None
         size = 64
         if isinstance(request, ChainFetch):
-            links = node.machine.chain.links_after(request.after_height)
-            state = self._state(node, links[-1][0]) if links else None
-            if state is not None:
-                answer = (links, *state, node.identity.public_key)
-                size = 1024 * len(links) + len(state[0]) + len(state[1] or b"")
+            chain = node.machine.chain
+            links = chain.links_after(request.after_height)[:MAX_LINKS_PER_PAGE]
+            if links:
+                holds = chain.held_heights(lambda head: self._state(node, head) is not None)
+                answer = ChainPage(tuple(links), chain.height, holds, node.identity.public_key)
+                size = 1024 * len(links) + 8 * len(holds)
         elif isinstance(request, WindowSync):
             held = node.by_window.get(request.window, [])
             answer = [(k, node.records[i]) for k, i in held if i not in request.held]
@@ -536,9 +538,9 @@ class World:
             node.blobs[sha256_hex(answer)] = answer
         elif isinstance(request, WindowSync):
             answer = self._admitted(node, answer)
-        elif isinstance(request, StateFetch | ChainFetch):
-            head = request.head if isinstance(request, StateFetch) else answer[0][-1][0]
-            weights, optimizer = answer if isinstance(request, StateFetch) else answer[1:3]
+        elif isinstance(request, StateFetch):
+            head = request.head
+            weights, optimizer = answer
             if sha256_hex(weights) != head.weights_blob:
                 self._carry(node, node.policy.fetch_failed(now, request, proven_bad=True))
                 return
