@@ -71,6 +71,11 @@ class PeerConnection:
         self._closed = asyncio.Event()
         self._closing = False
         self._close_done = asyncio.Event()
+        #: The reading task's wait in ``receive()``: its scope (None while it waits in none)
+        #: and an event set while it waits in none; see ``_take_over_reading``.
+        self._receiving: asyncio.Timeout | None = None
+        self._not_receiving = asyncio.Event()
+        self._not_receiving.set()
         now = time.monotonic()
         self._frames = TokenBucket(config.frames_per_s, config.frame_burst, now)
         self._bytes = TokenBucket(config.bytes_per_s, config.byte_burst, now)
@@ -133,16 +138,12 @@ class PeerConnection:
     async def frames(self) -> AsyncIterator[bytes]:
         """Incoming binary frames. Raises ProtocolViolation for a text frame, an oversized
         frame, or a peer that floods (see the class docstring); SocketFailed when the socket
-        broke (a heartbeat timeout, a reset)."""
-        while True:
-            message = await self.ws.receive()
-            if message.type == aiohttp.WSMsgType.BINARY:
-                data: bytes = message.data
-            elif message.type == aiohttp.WSMsgType.ERROR:
-                raise SocketFailed(f"socket failed: {self.ws.exception()!r:.120}")
-            elif message.type == aiohttp.WSMsgType.TEXT:
-                raise ProtocolViolation("text frames are not part of the protocol")
-            elif message.type == aiohttp.WSMsgType.CLOSE:
+        broke (a heartbeat timeout, a reset). Ends once either side closes."""
+        while not self._closing:
+            message = await self._receive()
+            if message is None:  # a close from another task took the socket over
+                break
+            if message.type == aiohttp.WSMsgType.CLOSE:
                 self.close_code = int(message.data)
                 if message.data not in (1000, 1001):
                     said = f": {message.extra[:200]}" if message.extra else ""
@@ -150,10 +151,21 @@ class PeerConnection:
                         self.close_reason or f"closed with code {message.data}{said}"
                     )
                 break
-            elif message.type in (aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+            # Once a close began, a frame still handed over is dropped: asking aiohttp's
+            # client-side socket for one more message would make it close itself, with 1000,
+            # before our close frame (its code and reason) went out.
+            if self._closing or message.type in (
+                aiohttp.WSMsgType.CLOSING,
+                aiohttp.WSMsgType.CLOSED,
+            ):
                 break
-            else:
+            if message.type == aiohttp.WSMsgType.ERROR:
+                raise SocketFailed(f"socket failed: {self.ws.exception()!r:.120}")
+            if message.type == aiohttp.WSMsgType.TEXT:
+                raise ProtocolViolation("text frames are not part of the protocol")
+            if message.type != aiohttp.WSMsgType.BINARY:
                 continue
+            data: bytes = message.data
             self.frames_in += 1
             self.bytes_in += len(data)
             now = time.monotonic()
@@ -169,12 +181,32 @@ class PeerConnection:
         if self.ws.close_code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
             raise ProtocolViolation("oversized frame")
 
+    async def _receive(self) -> aiohttp.WSMessage | None:
+        """The socket's next message; None when ``close`` (from another task) took this
+        task out of ``receive()`` to read the peer's close frame itself."""
+        scope = asyncio.timeout(None)
+        self._receiving = scope
+        self._not_receiving.clear()
+        try:
+            async with scope:
+                return await self.ws.receive()
+        except TimeoutError:
+            if scope.expired():
+                return None
+            raise
+        finally:
+            self._receiving = None
+            self._not_receiving.set()
+
     async def close(self, reason: str, *, code: int = aiohttp.WSCloseCode.OK) -> None:
-        """Close with ``code``. A graceful close (1000) says why first (a ``Bye``); a close
-        for misbehaviour sends its close frame at once, its reason in the frame, so that the
-        peer reads the code before anything of its own answers. A close already under way
-        (from another task: a ban) is waited for, so that the socket's own task does not end
-        -- and drop the transport -- before the peer has the close frame and its code."""
+        """Close with ``code`` over the closing handshake: what the peer sends meanwhile is
+        read and dropped until its close frame answers ours (``_CLOSE_S`` at most), and
+        only then is the transport dropped, so that a peer still writing is not reset
+        before it has read the code and the reason. A graceful close (1000) says why first
+        (a ``Bye``); a close for misbehaviour sends its close frame at once, its reason in
+        the frame, so that the peer reads the code before anything of its own answers. A
+        close already under way (from another task: a ban) is waited for, so that the
+        socket's own task does not end -- and drop the transport -- before the handshake."""
         if self._closing:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_CLOSE_S + 1.0):
@@ -186,6 +218,7 @@ class PeerConnection:
         self._ready.set()
         self._room.set()
         try:
+            await self._take_over_reading()
             if not self.ws.closed and code == aiohttp.WSCloseCode.OK:
                 with contextlib.suppress(*_SEND_FAILURES):
                     await asyncio.wait_for(self.ws.send_bytes(encode_frame(Bye(reason[:500]))), 1.0)
@@ -195,6 +228,24 @@ class PeerConnection:
                     await asyncio.wait_for(self.ws.close(code=code, message=message), _CLOSE_S)
         finally:
             self._close_done.set()
+
+    async def _take_over_reading(self) -> None:
+        """Take the reading task out of ``receive()`` before a server-side socket closes.
+
+        aiohttp's server-side socket, closed while another task waits in its ``receive()``,
+        hands that task a CLOSING note, then reads the note as the end of the closing
+        handshake and drops the transport right after its own close frame, without reading
+        the peer's. A banned peer still sending then gets a reset, and its event loop,
+        failing a write, drops the close frame (code and reason) unread: it sees 1006. With
+        no task in ``receive()``, ``ws.close()`` reads up to the peer's close frame itself.
+        A client-side socket does that handshake either way, and a cancelled ``receive()``
+        would mark it 1006 and make its close skip the handshake: it is left alone."""
+        if self._receiving is None or not isinstance(self.ws, web.WebSocketResponse):
+            return
+        self._receiving.reschedule(asyncio.get_running_loop().time())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CLOSE_S):
+                await self._not_receiving.wait()
 
     def statistics(self) -> ConnectionStatistics:
         return ConnectionStatistics(

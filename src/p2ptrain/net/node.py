@@ -179,8 +179,13 @@ class NetNode:
 
     async def stop(self) -> None:
         self._stopping.set()
-        for connection in list(self.gossip.connections.values()):
-            await connection.close("node stopping", code=aiohttp.WSCloseCode.GOING_AWAY)
+        # at once: each close waits for its peer's answer (a stopped peer's for 2 s)
+        await asyncio.gather(
+            *(
+                connection.close("node stopping", code=aiohttp.WSCloseCode.GOING_AWAY)
+                for connection in list(self.gossip.connections.values())
+            )
+        )
         if self._lan is not None:
             await self._lan.stop()
         if self._supervisor is not None:
