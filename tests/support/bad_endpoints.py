@@ -4,7 +4,12 @@
   HTTP status line): a peer behind a black hole, or a process that hangs;
 * :class:`Trickling` accepts every connection and answers whatever it is asked with a
   valid-looking HTTP status line and headers that never end, dribbled out at 16 bytes per
-  second: a peer on a dying link.
+  second: a peer on a dying link;
+* :class:`Relay` forwards every connection to a real node, its answers held back by a
+  delay, and -- with ``trickle_blobs`` -- dribbles out at 16 bytes per second whatever the
+  node answers on a connection once it was asked for a blob (``GET /v1/blobs/...``): a
+  peer whose link carries small answers (manifests, records, ``HEAD``) but chokes on a
+  download.
 
 Each runs one thread of its own (a selector over its sockets) from construction until
 :meth:`close`, which closes every socket it holds; use them as context managers.
@@ -17,11 +22,14 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
+from urllib.parse import urlsplit
 
-__all__ = ["Trickling", "Unanswering"]
+__all__ = ["Relay", "Trickling", "Unanswering"]
 
 _TICK_S = 0.25
 
@@ -145,3 +153,169 @@ class Trickling(_Endpoint):
             self.bytes_sent += connection.send(chunk)
         except (BlockingIOError, OSError):
             return  # a full buffer or a client gone: the next read notices
+
+
+#: What a client sends to ask for a blob's bytes (``HEAD`` asks only for its size).
+_BLOB_REQUEST = b"GET /v1/blobs/"
+
+
+@dataclass(eq=False)
+class _Leg:
+    """One relayed connection: the client's socket, ours to the node, what each is owed."""
+
+    client: socket.socket
+    upstream: socket.socket | None
+    to_upstream: bytearray = field(default_factory=bytearray)
+    #: The node's answers and when each may go on to the client (``delay_s`` after it came).
+    held: deque[tuple[float, bytes]] = field(default_factory=deque)
+    to_client: bytearray = field(default_factory=bytearray)
+    #: The client asked for a blob on this connection: what follows goes at 16 bytes/s.
+    trickling: bool = False
+    #: The end of what the client sent last, for a request line split across reads.
+    tail: bytes = b""
+
+
+class Relay:
+    """Forwards to ``upstream`` (a node's ``http://host:port``). See the module docstring.
+
+    ``delay_s``: each piece of the node's answers reaches the client this long after it
+    came (a longer path). ``trickle_blobs``: on a connection that asked for a blob, from
+    then on the node's answers go out at :attr:`BYTES_PER_S`. :attr:`blob_requests`
+    counts those connections, :attr:`accepted` every connection."""
+
+    BYTES_PER_S = 16
+
+    def __init__(self, upstream: str, *, delay_s: float = 0.0, trickle_blobs: bool = False) -> None:
+        parts = urlsplit(upstream)
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"upstream {upstream!r} is not http://host:port")
+        self._upstream = (parts.hostname, parts.port)
+        self.delay_s = delay_s
+        self.trickle_blobs = trickle_blobs
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self.port = int(self._listener.getsockname()[1])
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self.blob_requests = 0
+        self._legs: dict[socket.socket, _Leg] = {}
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="relay", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for leg in set(self._legs.values()):
+            self._end(leg)
+        self._selector.close()
+        self._listener.close()
+
+    def _serve(self) -> None:
+        next_tick = time.monotonic() + _TICK_S
+        while not self._stop.is_set():
+            wake = min([next_tick, *(leg.held[0][0] for leg in self._legs.values() if leg.held)])
+            events = self._selector.select(timeout=max(0.0, wake - time.monotonic()))
+            for key, mask in events:
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self._listener:
+                    self._accept()
+                elif sock in self._legs:  # not ended by an earlier event of this round
+                    self._ready(self._legs[sock], sock, mask)
+            now = time.monotonic()
+            trickle = now >= next_tick
+            if trickle:
+                next_tick += _TICK_S
+            for leg in set(self._legs.values()):
+                while leg.held and leg.held[0][0] <= now:
+                    leg.to_client += leg.held.popleft()[1]
+                self._flush(leg, trickle=trickle)
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        self.accepted += 1
+        try:
+            upstream = socket.create_connection(self._upstream, timeout=5)
+        except OSError:
+            client.close()
+            return
+        for sock in (client, upstream):
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ)
+        leg = _Leg(client, upstream)
+        self._legs[client] = self._legs[upstream] = leg
+
+    def _ready(self, leg: _Leg, sock: socket.socket, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            try:
+                data = sock.recv(1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if sock is leg.client:
+                if not data:  # the client hung up: so do we
+                    self._end(leg)
+                    return
+                seen = leg.tail + data
+                if self.trickle_blobs and not leg.trickling and _BLOB_REQUEST in seen:
+                    leg.trickling = True
+                    self.blob_requests += 1
+                leg.tail = seen[-len(_BLOB_REQUEST) :]
+                leg.to_upstream += data
+            elif data:
+                leg.held.append((time.monotonic() + self.delay_s, data))
+            else:  # the node is done: the client gets what is owed, then the end
+                self._selector.unregister(sock)
+                del self._legs[sock]
+                sock.close()
+                leg.upstream = None
+        self._flush(leg, trickle=False)
+
+    def _flush(self, leg: _Leg, *, trickle: bool) -> None:
+        """Send what is owed (a trickling client: a tick's worth, on ``trickle``)."""
+        try:
+            if leg.upstream is not None and leg.to_upstream:
+                del leg.to_upstream[: leg.upstream.send(leg.to_upstream)]
+            if leg.to_client and (trickle or not leg.trickling):
+                limit = round(self.BYTES_PER_S * _TICK_S) if leg.trickling else len(leg.to_client)
+                del leg.to_client[: leg.client.send(leg.to_client[:limit])]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._end(leg)
+            return
+        if leg.upstream is None and not leg.held and not leg.to_client:
+            self._end(leg)
+            return
+        for sock, owed in ((leg.client, leg.to_client), (leg.upstream, leg.to_upstream)):
+            if sock is not None:
+                wants_write = bool(owed) and not (sock is leg.client and leg.trickling)
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+                if self._selector.get_key(sock).events != events:
+                    self._selector.modify(sock, events)
+
+    def _end(self, leg: _Leg) -> None:
+        for sock in (leg.client, leg.upstream):
+            if sock is not None and sock in self._legs:
+                self._selector.unregister(sock)
+                del self._legs[sock]
+                sock.close()
+        leg.upstream = None
