@@ -1,8 +1,9 @@
-"""``p2ptrain bench chaos`` end to end, kept short: one run with a shortened fault budget
-(about a minute and a half on 2 cores). Its JSON has every field the issue names, the faults
-it played are counted, and no store is corrupt and no replica diverged. Stalls are not
-asserted: whether the network recovers in time is what the bench measures, not what this
-test checks. As root the nodes run in network namespaces and the run has a partition.
+"""``p2ptrain bench chaos`` end to end, kept short: one run with a shortened fault budget and
+a short "long" outage and joiner (20 heights, within one catch-up page; about two and a half
+minutes on 2 cores). Its JSON has every field the issue names, the faults it played are
+counted, and no store is corrupt and no replica diverged. Stalls are not asserted: whether
+the network recovers in time is what the bench measures, not what this test checks. As root
+the nodes run in network namespaces and the run has a partition.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FIELDS = {
     "stalled_runs",
     "recovery_seconds_p50",
     "recovery_seconds_p99",
+    "catch_up_seconds_p50",
+    "not_caught_up",
     "faults",
     "failing_seeds",
     "netns",
@@ -35,13 +38,13 @@ FIELDS = {
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_one_short_chaos_run_reports_sound_stores(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "p2ptrain", "bench", "chaos", "--runs", "1",
-               "--seed", str(SEED), "--duration-s", "12", "--json",
-               "--workdir", str(tmp_path)]  # fmt: skip
+               "--seed", str(SEED), "--duration-s", "12", "--long-every", "1",
+               "--outage-heights", "20", "--json", "--workdir", str(tmp_path)]  # fmt: skip
     print(f"seed {SEED}: {' '.join(command)}")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
     print(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
@@ -49,7 +52,7 @@ def test_one_short_chaos_run_reports_sound_stores(tmp_path: Path) -> None:
     assert set(summary) >= FIELDS, sorted(FIELDS - set(summary))
     assert summary["runs"] == 1
     assert summary["netns"] is (namespaces_unavailable() is None)
-    kinds = {"kill", "pause", "partition"} if summary["netns"] else {"kill", "pause"}
+    kinds = {"kill", "pause", "outage", "join"} | ({"partition"} if summary["netns"] else set())
     if not summary["netns"]:
         assert summary["partitions_skipped"]
         assert summary["faults"]["partition"] == 0
@@ -66,3 +69,9 @@ def test_one_short_chaos_run_reports_sound_stores(tmp_path: Path) -> None:
     assert set(summary["failing_seeds"]) <= {SEED}
     assert (SEED in summary["failing_seeds"]) is run["failed"]
     assert min(run["heights"].values()) >= 1, run["heights"]
+    for fault in run["faults"]:
+        if fault["kind"] in ("outage", "join"):
+            assert fault["behind"] is not None, fault
+            assert (fault["rejoin_s"] is None) is fault["stalled"], fault
+    if summary["faults"]["join"]:
+        assert "viewer-joiner" in run["heights"]

@@ -12,11 +12,14 @@ from p2ptrain.bench.chaos import ChaosConfig, RunLog, play_fault
 from p2ptrain.bench.chaos_plan import (
     AFTER_S,
     HOLD_S,
+    JOINER,
     KINDS,
+    LONG_RUN_BUDGET_S,
     MAX_FAULTS,
     NODES,
     REFERENCE_BUDGET_S,
     Fault,
+    LongFaults,
     plan_faults,
     planned_seconds,
 )
@@ -91,6 +94,66 @@ def test_the_budget_bounds_extra_faults_and_shortens_holds() -> None:
             assert fault.hold_s <= low + (high - low) / 4 + 0.01, fault
 
 
+LONG = LongFaults(every=5, heights=300, victims=("validator-1", "trainer-0"))
+
+
+def test_seeds_that_are_multiples_of_every_are_long_runs() -> None:
+    assert [seed for seed in range(11, 21) if LONG.plays(seed)] == [15, 20]
+    assert all(LongFaults(every=1).plays(seed) for seed in range(11, 21))
+    assert not any(LongFaults(every=0).plays(seed) for seed in range(11, 21))
+    assert not any(LongFaults(every=1, heights=0).plays(seed) for seed in range(11, 21))
+
+
+def test_a_long_run_adds_one_outage_then_one_joiner_to_its_short_faults() -> None:
+    for seed in SEEDS:
+        faults = plan_faults(seed, kinds=KINDS, long=LONG)
+        kinds = [f.kind for f in faults]
+        if seed % 5:
+            assert faults == plan_faults(seed, kinds=KINDS), "a short run's plan is unchanged"
+            assert "outage" not in kinds and "join" not in kinds
+            continue
+        assert kinds.count("outage") == kinds.count("join") == 1, (seed, kinds)
+        assert kinds.index("outage") < kinds.index("join"), "the joiner comes after the outage"
+        short = [f for f in faults if f.kind in KINDS]
+        assert 2 <= len(short) <= MAX_FAULTS and {f.kind for f in short} == set(KINDS)
+        (outage,) = [f for f in faults if f.kind == "outage"]
+        (join,) = [f for f in faults if f.kind == "join"]
+        assert outage.victims in {("validator-1",), ("trainer-0",)}, outage
+        assert join.victims == (JOINER,)
+        assert outage.heights == join.heights == 300
+        assert outage.hold_s == join.hold_s == 0.0
+        assert AFTER_S[0] <= outage.after_s <= AFTER_S[1]
+    long_seeds = [seed for seed in SEEDS if seed % 5 == 0]
+    outages = {plan_faults(s, kinds=KINDS, long=LONG)[0].kind for s in long_seeds}
+    assert "outage" in outages and "kill" in outages, "the outage goes anywhere in the run"
+    victims = {f.victims for s in long_seeds for f in plan_faults(s, kinds=KINDS, long=LONG)
+               if f.kind == "outage"}  # fmt: skip
+    assert victims == {("validator-1",), ("trainer-0",)}
+
+
+def test_a_long_runs_short_faults_fit_the_long_run_budget() -> None:
+    for seed in range(0, 300, 5):
+        short = [f for f in plan_faults(seed, kinds=KINDS, long=LONG) if f.kind in KINDS]
+        for fault in short:
+            low, high = HOLD_S[fault.kind]
+            scale = LONG_RUN_BUDGET_S / REFERENCE_BUDGET_S
+            assert fault.hold_s <= low + (high - low) * scale + 0.01, fault
+        if len(short) > len(KINDS):
+            assert planned_seconds(short) <= LONG_RUN_BUDGET_S
+
+
+def test_long_faults_describe_themselves_in_heights() -> None:
+    assert Fault("outage", ("validator-0",), 1.0, 0.0, heights=300).describe() == (
+        "outage validator-0 for more than 300 heights"
+    )
+    assert Fault("join", (JOINER,), 1.0, 0.0, heights=300).describe() == (
+        f"join {JOINER} after height 300"
+    )
+    assert Fault("kill", ("seed", "trainer-1"), 1.0, 2.25).describe() == (
+        "kill seed+trainer-1 for 2.2 s"
+    )
+
+
 def test_a_plan_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="kinds"):
         plan_faults(0, kinds=())
@@ -98,6 +161,10 @@ def test_a_plan_refuses_nonsense() -> None:
         plan_faults(0, kinds=("flood",))
     with pytest.raises(ValueError, match="budget"):
         plan_faults(0, kinds=KINDS, budget_s=0)
+    with pytest.raises(ValueError, match="0 or more"):
+        LongFaults(every=-1)
+    with pytest.raises(ValueError, match="victim"):
+        LongFaults(victims=())
 
 
 def test_planned_seconds_adds_gaps_and_holds() -> None:
@@ -224,7 +291,9 @@ def test_the_summary_counts_and_percentiles() -> None:
     assert summary["rejoin_seconds_p50"] == 2.0
     assert summary["rejoin_seconds_p99"] == pytest.approx(30.13)
     assert summary["faults_not_rejoined"] == 2
-    assert summary["faults"] == {"kill": 3, "pause": 2, "partition": 1}
+    assert summary["faults"] == {"kill": 3, "pause": 2, "partition": 1, "outage": 0, "join": 0}
+    assert summary["not_caught_up"] == 0
+    assert summary["catch_up_seconds_p50"] is None
     assert summary["logged_strikes"] == 4
     assert summary["logged_bans"] == 1
     assert summary["failing_seeds"] == [5, 6, 8, 9]
@@ -234,13 +303,47 @@ def test_the_summary_counts_and_percentiles() -> None:
     assert [run["failed"] for run in summary["details"]] == [False, True, True, True, True]
 
 
+def _long(kind: str, catch_up: float | None, behind: int) -> FaultOutcome:
+    victim = JOINER if kind == "join" else "validator-0"
+    return FaultOutcome(kind, (victim,), 0.0, 1.0, catch_up is None, catch_up, behind=behind)
+
+
+def test_long_faults_are_counted_apart_and_one_not_caught_up_stalls_its_run() -> None:
+    first = (_fault("kill", 1.0, 2.0), _long("outage", 4.0, 310), _long("join", 6.0, 330))
+    second = (_long("outage", None, 305), _long("join", 2.0, 340), _fault("pause", 1.0, 3.0))
+    outcomes = [
+        RunOutcome(seed=15, wall_s=300, faults=first),
+        RunOutcome(seed=20, wall_s=300, faults=second),
+    ]
+    summary = summarize(outcomes, netns=True, partitions_skipped=None)
+    assert summary["faults"] == {"kill": 1, "pause": 1, "partition": 0, "outage": 2, "join": 2}
+    assert summary["stalled_runs"] == 1
+    assert summary["failing_seeds"] == [20]
+    assert summary["not_caught_up"] == 1
+    # catch-ups 4, 6, 2 -> sorted 2, 4, 6: p50 = 4, max 6; the heights of those caught up
+    assert summary["catch_up_seconds_p50"] == 4.0
+    assert summary["catch_up_seconds_max"] == 6.0
+    assert summary["caught_up_heights_max"] == 340
+    # the short faults' rejoins alone: 2 and 3
+    assert summary["rejoin_seconds_p50"] == 2.5
+    assert summary["faults_not_rejoined"] == 0
+    # every fault's recovery (1.0 each)
+    assert summary["recovery_seconds_p99"] == 1.0
+    assert summary["details"][1]["faults"][0]["behind"] == 305
+    text = "\n".join(summary_lines(summary | {"seed": 15}))
+    assert "not caught up           1" in text
+    assert "caught up (long faults) p50 4.0 s, max 6.0 s, up to 340 heights" in text
+
+
 def test_an_empty_summary_has_no_percentiles() -> None:
     summary = summarize([], netns=True, partitions_skipped=None)
     assert summary["runs"] == 0
     assert summary["recovery_seconds_p50"] is None
     assert summary["recovery_seconds_p99"] is None
     assert summary["failing_seeds"] == []
-    assert summary["faults"] == {"kill": 0, "pause": 0, "partition": 0}
+    assert summary["faults"] == {"kill": 0, "pause": 0, "partition": 0, "outage": 0, "join": 0}
+    assert summary["catch_up_seconds_max"] is None
+    assert summary["caught_up_heights_max"] is None
 
 
 def test_the_summary_for_people_names_the_failing_seeds_and_how_to_replay() -> None:
@@ -263,21 +366,31 @@ def test_the_summary_for_people_names_the_failing_seeds_and_how_to_replay() -> N
 
 
 class ScriptedNetwork:
-    """A network (:class:`~p2ptrain.bench.chaos.FaultTarget`) that certifies again
-    ``certify_s`` after a heal (None: never) and whose victims are back ``rejoin_s`` after
-    it; waiting takes no time, it only adds up what was waited."""
+    """A network (:class:`~p2ptrain.bench.chaos.FaultTarget`) at height 7 that, until a
+    heal, certifies one more height per wait (up to ``stops_at``: None, no end), certifies
+    again ``certify_s`` after a heal (None: never) and whose victims are back ``rejoin_s``
+    after it (each victim at height 3 when back, the joiner at 0); waiting takes no time,
+    it only adds up what was waited."""
 
-    def __init__(self, certify_s: float | None, rejoin_s: float | None = 1.0) -> None:
+    def __init__(
+        self, certify_s: float | None, rejoin_s: float | None = 1.0, stops_at: int | None = None
+    ) -> None:
         self.certify_s = certify_s
         self.rejoin_s = rejoin_s
+        self.stops_at = stops_at
         self.calls: list[str] = []
+        self.healed: int | None = None  # the height at the heal
         self.healed_at = 0.0
         self.waited_s = 0.0
         self.lost_on_restart = ["validator-0 came back at height 1"]
+        self._height = 7
 
     @property
     def height(self) -> int:
-        return 7
+        return self._height
+
+    def height_of(self, name: str) -> int:
+        return 0 if name == JOINER else 3
 
     def pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> bool:
         self.calls.append(f"pump {timeout_s}")
@@ -285,7 +398,7 @@ class ScriptedNetwork:
 
     def _healed(self, call: str) -> None:
         self.calls.append(call)
-        self.healed_at, self.waited_s = time.monotonic(), 0.0
+        self.healed, self.healed_at, self.waited_s = self._height, time.monotonic(), 0.0
 
     def kill(self, names: Sequence[str]) -> None:
         self.calls.append(f"kill {'+'.join(names)}")
@@ -293,6 +406,9 @@ class ScriptedNetwork:
     def restart(self, names: Sequence[str]) -> list[str]:
         self._healed(f"restart {'+'.join(names)}")
         return self.lost_on_restart
+
+    def join(self, names: Sequence[str]) -> None:
+        self._healed(f"join {'+'.join(names)} at {self._height}")
 
     def pause(self, names: Sequence[str]) -> None:
         self.calls.append(f"pause {'+'.join(names)}")
@@ -307,7 +423,13 @@ class ScriptedNetwork:
         self._healed("heal")
 
     def wait_certified_above(self, height: int, timeout_s: float) -> float | None:
-        assert height == 7
+        if self.healed is None:  # an outage or a joiner waits for heights
+            assert height == self._height
+            if self.stops_at is not None and height >= self.stops_at:
+                return None
+            self._height += 1
+            return time.monotonic()
+        assert height == self.healed
         self.waited_s += timeout_s
         if self.certify_s is None or self.certify_s > self.waited_s:
             return None
@@ -316,7 +438,9 @@ class ScriptedNetwork:
     def wait_rejoined(
         self, names: Sequence[str], height: int, since: float, timeout_s: float
     ) -> dict[str, float | None]:
-        at = None if self.rejoin_s is None else self.healed_at + self.rejoin_s
+        assert height == self.healed
+        late = self.rejoin_s is None or self.rejoin_s > timeout_s
+        at = None if late or self.rejoin_s is None else self.healed_at + self.rejoin_s
         return {name: at for name in names}
 
     def diagnose(self, title: str) -> str:
@@ -356,7 +480,7 @@ def test_a_late_recovery_is_a_stall_with_a_diagnosis() -> None:
     assert outcome.recovery_s == pytest.approx(30.0, abs=0.05)
     assert outcome.stalled
     assert outcome.rejoin_s is None
-    assert outcome.note == "not back at height 7: validator-0, validator-1"
+    assert outcome.note == "not back at height 7: validator-0 at 3, validator-1 at 3"
     (diagnosis,) = log.diagnoses
     assert "seed 4: no head certified within 20 s" in diagnosis
     assert "partition validator-0+validator-1" in diagnosis
@@ -369,3 +493,66 @@ def test_no_recovery_at_all_is_a_stall_without_a_time() -> None:
     assert outcome.recovery_s is None
     assert outcome.stalled
     assert len(log.diagnoses) == 1
+
+
+def test_an_outage_holds_for_more_than_its_heights_and_times_the_catch_up() -> None:
+    net, log = ScriptedNetwork(certify_s=1.0, rejoin_s=4.0), RunLog(seed=5)
+    fault = Fault("outage", ("validator-0",), after_s=1.0, hold_s=0.0, heights=5)
+    outcome = play_fault(net, fault, CONFIG, log)
+    assert net.calls == ["pump 1.0", "kill validator-0", "restart validator-0"]
+    assert net.healed == 13  # 7 + more than 5
+    assert outcome.behind == 10  # back at 3
+    assert outcome.rejoin_s == pytest.approx(4.0, abs=0.05)
+    assert not outcome.stalled and outcome.note == ""
+    assert log.lost == net.lost_on_restart and log.diagnoses == []
+
+
+def test_a_node_not_at_the_tip_within_the_bound_stalls_the_run() -> None:
+    log = RunLog(seed=5)
+    fault = Fault("outage", ("trainer-1",), after_s=1.0, hold_s=0.0, heights=5)
+    outcome = play_fault(ScriptedNetwork(certify_s=1.0, rejoin_s=None), fault, CONFIG, log)
+    assert outcome.stalled and outcome.rejoin_s is None
+    assert outcome.note == "not at the tip (height 13) within 30 s of ready: trainer-1 at 3"
+    (diagnosis,) = log.diagnoses
+    assert diagnosis.startswith("diagnosis: seed 5: outage trainer-1 for more than 5 heights")
+    # a catch-up slower than the bound is as late as none
+    late = play_fault(ScriptedNetwork(certify_s=1.0, rejoin_s=31.0), fault, CONFIG, RunLog(5))
+    assert late.stalled and late.rejoin_s is None
+
+
+def test_a_network_that_stops_during_an_outage_stalls_the_run_and_the_victim_restarts() -> None:
+    net, log = ScriptedNetwork(certify_s=1.0, stops_at=10), RunLog(seed=6)
+    fault = Fault("outage", ("validator-2",), after_s=1.0, hold_s=0.0, heights=5)
+    outcome = play_fault(net, fault, CONFIG, log)
+    assert net.calls[-1] == "restart validator-2" and net.healed == 10
+    assert outcome.stalled
+    assert outcome.rejoin_s == pytest.approx(1.0, abs=0.05)
+    assert outcome.note == "no head certified for 40 s at height 10, short of height 13"
+    (diagnosis,) = log.diagnoses
+    assert "no head certified for 40 s at height 10" in diagnosis
+
+
+def test_a_joiner_starts_once_the_chain_is_longer_than_its_heights() -> None:
+    net, log = ScriptedNetwork(certify_s=1.0, rejoin_s=2.0), RunLog(seed=7)
+    outcome = play_fault(net, Fault("join", (JOINER,), 1.0, 0.0, heights=9), CONFIG, log)
+    assert net.calls == ["pump 1.0", f"join {JOINER} at 10"]
+    assert outcome.behind == 10
+    assert outcome.rejoin_s == pytest.approx(2.0, abs=0.05) and not outcome.stalled
+    # a chain already long enough: the joiner starts at once
+    net = ScriptedNetwork(certify_s=1.0, rejoin_s=None)
+    outcome = play_fault(net, Fault("join", (JOINER,), 1.0, 0.0, heights=3), CONFIG, log)
+    assert net.calls == ["pump 1.0", f"join {JOINER} at 7"]
+    assert outcome.stalled and outcome.behind == 7
+    assert outcome.note == f"not at the tip (height 7) within 30 s of ready: {JOINER} at 0"
+
+
+def test_short_deadlines_let_a_trainer_be_the_outage_victim() -> None:
+    assert set(CONFIG.long_faults.victims) == {"validator-0", "validator-1", "validator-2"}
+    short = ChaosConfig(deadline_s=0.5, proposal_s=0.2)
+    assert {"trainer-0", "trainer-1"} <= set(short.long_faults.victims)
+    # and the stall limits keep a floor
+    assert (short.stall_after_s, short.give_up_after_s) == (10.0, 20.0)
+    assert (CONFIG.stall_after_s, CONFIG.give_up_after_s) == (20.0, 40.0)
+    assert ChaosConfig(long_every=1, outage_heights=20).replay_flags(netns=True) == (
+        "--long-every 1 --outage-heights 20"
+    )

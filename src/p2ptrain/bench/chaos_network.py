@@ -9,9 +9,11 @@ p2ptrain``), serving on its lab address, which is what it advertises and peers d
 It reads the nodes' events as they come: the heads each node adopted, and the moment each
 height was first adopted anywhere -- the network's certificates, the clock of the recovery
 figures. It kills and restarts (a restarted node comes back on its data directory and at
-the address it had), pauses and resumes, cuts off and heals, and at the end stops every node
-cleanly so that its data directory can be read back. :meth:`ChaosNetwork.diagnose` says what
-each node was doing (its ``status.json`` and the tail of its log) when a fault did not heal.
+the address it had), pauses and resumes, cuts off and heals, starts a late joiner
+(:data:`~.chaos_plan.JOINER`, a viewer on an empty data directory), and at the end stops
+every node cleanly so that its data directory can be read back. :meth:`ChaosNetwork.diagnose`
+says what each node was doing (its ``status.json`` and the tail of its log) when a fault did
+not heal.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from p2ptrain.bench.chaos_plan import NODES
+from p2ptrain.bench.chaos_plan import JOINER, NODES
 from p2ptrain.bench.netns_lab import NamespaceLab
 from p2ptrain.errors import LocalError
 from p2ptrain.node.events import (
@@ -63,6 +65,8 @@ READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 4
 LINE_CHARS = 240
+#: The shortest wait at the end for the nodes to settle on one height (sub-second windows).
+SETTLE_MIN_S = 10.0
 
 
 def _role(name: str) -> str:
@@ -71,6 +75,9 @@ def _role(name: str) -> str:
 
 class ChaosNetwork:
     """The processes of one run, and what they said."""
+
+    #: Every node a run may start: the network, then the joiner a long run starts late.
+    NAMES = (*NODES, JOINER)
 
     def __init__(
         self,
@@ -115,6 +122,10 @@ class ChaosNetwork:
     @property
     def nodes(self) -> dict[str, NodeProcess]:
         return self.network.nodes
+
+    def height_of(self, name: str) -> int:
+        """The highest height ``name`` said it holds (0: none yet)."""
+        return self.heights.get(name, 0)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -263,6 +274,15 @@ class ChaosNetwork:
                 )
         return lost
 
+    def join(self, names: Sequence[str]) -> None:
+        """Start nodes that never ran (viewers, empty data directories) and wait until they
+        are ready. Raises :class:`LocalError` if one cannot start."""
+        for name in names:
+            if name in self.nodes:
+                raise LocalError(f"{name} already ran: a joiner starts on an empty directory")
+            self._start(name)
+        self._require_ready(names)
+
     def _port(self, name: str) -> int:
         address = self.nodes[name].address
         port = urlsplit(address).port if address else None
@@ -296,7 +316,7 @@ class ChaosNetwork:
         notes = []
         self.resume(sorted(self.paused))
         self.heal()
-        running = [n for n in NODES if n in self.nodes and self.nodes[n].alive()]
+        running = [n for n in self.NAMES if n in self.nodes and self.nodes[n].alive()]
         self._leaving.update(running)
         trainers = [n for n in running if _role(n) == "trainer"]
         others = [n for n in running if _role(n) != "trainer"]
@@ -304,7 +324,8 @@ class ChaosNetwork:
             self.network.stop(trainers, timeout_s=STOP_TIMEOUT_S)
         target = self.height
         caught_up = self.pump(
-            2 * self.deadline_s, until=lambda: all(self.heights.get(n, 0) >= target for n in others)
+            max(2 * self.deadline_s, SETTLE_MIN_S),
+            until=lambda: all(self.heights.get(n, 0) >= target for n in others),
         )
         if not caught_up:
             behind = [f"{n} at {self.heights.get(n, 0)}" for n in others
@@ -334,7 +355,7 @@ class ChaosNetwork:
     def diagnose(self, title: str) -> str:
         """What each node was doing: its status and the last lines of its log."""
         lines = [title]
-        for name in NODES:
+        for name in [n for n in self.NAMES if n in NODES or n in self.nodes]:
             lines.append(f"  {name}: {self._status_line(name)}")
             lines += [f"    | {line[:LINE_CHARS]}" for line in self._log_tail(name)]
         lines += [f"  role failure: {failure}" for failure in self.role_failures[-5:]]
@@ -357,7 +378,7 @@ class ChaosNetwork:
         """The strikes the nodes' logs record, by reason (peer ids left out), and the bans."""
         reasons: Counter[str] = Counter()
         bans = 0
-        for name in NODES:
+        for name in self.NAMES:
             try:
                 text = self.nodes[name].log.read_text(errors="replace")
             except (KeyError, OSError):

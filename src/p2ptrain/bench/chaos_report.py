@@ -12,14 +12,19 @@ After a run every node is stopped and its data directory read back as a :class:`
   nodes holding that height, or whose tip weights hash differs from the others' at the same
   tip;
 * a **stall** is a fault after whose heal no head was certified for longer than the stall
-  limit (two window deadlines);
+  limit (two window deadlines, at least 10 s); for a long outage or a late joiner also a
+  network that stopped certifying while the fault waited for its heights, or a node that did
+  not reach the network's height (as it was when the node was ready) within the catch-up
+  bound;
 * a **crashed node** is one that exited without being told to (a role that kept failing).
 
 A fault's ``recovery_s`` runs from its heal to the next head certified anywhere, and its
 ``rejoin_s`` until every victim adopted a head at least as high as the network's at the heal
-(reported, not judged). A run fails on any verdict above, or when it could not play its
-faults (``error``: a node did not start, no first head); its seed then
-goes to ``failing_seeds``, and ``--runs 1 --seed SEED`` plays the same faults again.
+(reported, not judged, for the short faults; ``catch_up_seconds`` for the long ones, whose
+``behind`` says how many heights the node had to catch up). A run fails on any verdict
+above, or when it could not play its faults (``error``: a node did not start, no first
+head); its seed then goes to ``failing_seeds``, and ``--runs 1 --seed SEED`` plays the same
+faults again.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2ptrain.bench.chaos_plan import KINDS
+from p2ptrain.bench.chaos_plan import ALL_KINDS, LONG_KINDS
 
 __all__ = [
     "FaultOutcome",
@@ -48,6 +53,7 @@ __all__ = [
 class FaultOutcome:
     kind: str
     victims: tuple[str, ...]
+    #: The planned hold; an outage's: seconds from the kill until the victim was ready again.
     hold_s: float
     #: Seconds from the heal to the next head certified network-wide (None: none came).
     recovery_s: float | None
@@ -57,6 +63,13 @@ class FaultOutcome:
     #: network's at the heal (None: one did not before the next fault or the end).
     rejoin_s: float | None = None
     note: str = ""
+    #: A long outage's or a joiner's: the heights between the node's, when it was ready, and
+    #: the network's (None: another kind).
+    behind: int | None = None
+
+    @property
+    def long(self) -> bool:
+        return self.kind in LONG_KINDS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +79,7 @@ class FaultOutcome:
             "recovery_s": self.recovery_s,
             "stalled": self.stalled,
             "rejoin_s": self.rejoin_s,
+            "behind": self.behind,
             "note": self.note,
         }
 
@@ -225,7 +239,10 @@ def summarize(
 ) -> dict[str, Any]:
     """The JSON summary of ``p2ptrain bench chaos`` (``details``: each run's outcome)."""
     recoveries = [f.recovery_s for run in outcomes for f in run.faults if f.recovery_s is not None]
-    rejoins = [f.rejoin_s for run in outcomes for f in run.faults if f.rejoin_s is not None]
+    short = [f for run in outcomes for f in run.faults if not f.long]
+    long = [f for run in outcomes for f in run.faults if f.long]
+    rejoins = [f.rejoin_s for f in short if f.rejoin_s is not None]
+    catch_ups = [f.rejoin_s for f in long if f.rejoin_s is not None]
     counts = Counter(f.kind for run in outcomes for f in run.faults)
     return {
         "runs": len(outcomes),
@@ -242,8 +259,15 @@ def summarize(
         "recovery_seconds_p99": _rounded(percentile(recoveries, 99)),
         "rejoin_seconds_p50": _rounded(percentile(rejoins, 50)),
         "rejoin_seconds_p99": _rounded(percentile(rejoins, 99)),
-        "faults_not_rejoined": sum(1 for run in outcomes for f in run.faults if f.rejoin_s is None),
-        "faults": {kind: counts.get(kind, 0) for kind in KINDS},
+        "faults_not_rejoined": sum(1 for f in short if f.rejoin_s is None),
+        "catch_up_seconds_p50": _rounded(percentile(catch_ups, 50)),
+        "catch_up_seconds_max": max(catch_ups, default=None),
+        "not_caught_up": sum(1 for f in long if f.rejoin_s is None),
+        "caught_up_heights_max": max(
+            (f.behind for f in long if f.rejoin_s is not None and f.behind is not None),
+            default=None,
+        ),
+        "faults": {kind: counts.get(kind, 0) for kind in ALL_KINDS},
         "logged_strikes": sum(sum(run.strikes.values()) for run in outcomes),
         "logged_bans": sum(run.bans for run in outcomes),
         "failing_seeds": sorted(run.seed for run in outcomes if run.failed),
@@ -262,6 +286,7 @@ _COUNTS = (
     "broken_runs",
     "unrecovered_faults",
     "faults_not_rejoined",
+    "not_caught_up",
     "logged_strikes",
     "logged_bans",
 )
@@ -280,6 +305,9 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
                  f"p99 {summary['recovery_seconds_p99']} s")  # fmt: skip
     lines.append(f"{'victims back':24s}p50 {summary['rejoin_seconds_p50']} s, "
                  f"p99 {summary['rejoin_seconds_p99']} s")  # fmt: skip
+    lines.append(f"{'caught up (long faults)':24s}p50 {summary['catch_up_seconds_p50']} s, "
+                 f"max {summary['catch_up_seconds_max']} s, "
+                 f"up to {summary['caught_up_heights_max']} heights")  # fmt: skip
     failing = summary["failing_seeds"]
     if not failing:
         lines.append("failing seeds: none")

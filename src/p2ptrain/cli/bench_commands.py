@@ -87,12 +87,15 @@ def add_parsers(commands: Any) -> None:
 
     chaos = sub.add_parser(
         "chaos",
-        help="seeded kills, pauses and partitions of a real local network: corrupt stores, "
-        "lost heads, divergence, stalls, recovery seconds",
+        help="seeded kills, pauses, partitions, long outages and late joiners of a real local "
+        "network: corrupt stores, lost heads, divergence, stalls, recovery seconds",
         description="Run --runs seeded runs of a local network (a seed, a reducer, 3 "
         "validators with quorum 2, 2 trainers; each node in its own network namespace when "
         "run as root) under random SIGKILLs and restarts, SIGSTOP pauses and partitions; "
-        "compare every node's stored chain and weights at the end and time each recovery. "
+        "runs whose seed is a multiple of --long-every also keep a node down for more than "
+        "--outage-heights heights and start a fresh viewer once the chain is that long, and "
+        "both must reach the network's tip within 30 s. Compare every node's stored chain "
+        "and weights at the end and time each recovery. "
         "Run r plays the faults of seed --seed + r: --runs 1 --seed X replays it.",
     )
     chaos.add_argument("--runs", type=int, default=10, help="runs, one after the other (10)")
@@ -108,6 +111,21 @@ def add_parsers(commands: Any) -> None:
         "--deadline-s", type=float, default=10.0, help="window deadline (default 10)"
     )
     chaos.add_argument("--proposal-s", type=float, default=3.0, help="proposal wait (default 3)")
+    chaos.add_argument(
+        "--long-every",
+        type=int,
+        default=5,
+        help="runs whose seed is a multiple of this play a long outage and a late joiner "
+        "(default 5: two runs in ten; 1: every run; 0: none)",
+    )
+    chaos.add_argument(
+        "--outage-heights",
+        type=int,
+        default=300,
+        help="a long outage lasts, and the joiner waits for, more than this many certified "
+        "heights (default 300: over one 256-link catch-up page; 0: neither). A validator is "
+        "the outage's victim, or with --deadline-s 1 or less a trainer too",
+    )
     chaos.add_argument(
         "--no-netns",
         dest="netns",
@@ -364,6 +382,8 @@ def run_chaos(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         keep_passing=args.keep_passing,
         debug_logs=args.node_debug,
+        long_every=args.long_every,
+        outage_heights=args.outage_heights,
     )
     result = run_chaos_bench(config, progress=lambda line: print(line, file=sys.stderr))
     if args.json:
