@@ -25,6 +25,7 @@ from p2ptrain.cli.data_commands import mib
 from p2ptrain.cli.status_text import store_text, tallies, validation_text
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
+    CatchingUp,
     Evaluated,
     HeadAdopted,
     NodeEvent,
@@ -424,6 +425,8 @@ def _describe_event(event: NodeEvent) -> str | None:
         )
     if isinstance(event, PeerReported):
         return f"{stamp} [yellow]peer {event.peer[:16]} misbehaved: {event.reason}"
+    if isinstance(event, CatchingUp):
+        return f"{stamp} {event.role}: {event.reason}"
     if isinstance(event, RoleFailure):
         return (
             f"{stamp} [red]{event.role} failed in window {event.window} while {event.step}: "

@@ -16,6 +16,7 @@ from p2ptrain.core.records import Head
 
 __all__ = [
     "Attested",
+    "CatchingUp",
     "Evaluated",
     "Exited",
     "HeadAdopted",
@@ -136,6 +137,15 @@ class PeerReported(_Event, tag="reported", frozen=True):
     reason: str
 
 
+class CatchingUp(_Event, tag="catching_up", frozen=True):
+    """A role's base fell more than one height behind the certified chain it knows (a
+    restart, a join, a long outage), or no peer holds the state it needs to catch up:
+    ``reason`` says where it stands ("catching up: at height h, tip H ...")."""
+
+    role: str
+    reason: str
+
+
 class RoleFailure(_Event, tag="role_error", frozen=True):
     """A step of one of the node's roles raised; the role goes on with the next window
     until ``failures`` reaches ``limit`` in a row, when the node stops."""
@@ -172,6 +182,7 @@ NodeEvent = (
     | Attested
     | Evaluated
     | PeerReported
+    | CatchingUp
     | RoleFailure
     | Stopped
     | Exited

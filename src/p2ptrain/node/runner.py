@@ -28,7 +28,7 @@ from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.records import Attestation, Proposal
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
-from p2ptrain.node.events import NodeEvent
+from p2ptrain.node.events import CatchingUp, NodeEvent
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState, TrainerWindow
@@ -93,6 +93,8 @@ class RoleRunner:
         self._finished = False
         #: The last notice logged (each is logged once).
         self._noticed = ""
+        #: Whether the role was catching up when last looked at (it is said once).
+        self._behind = False
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -243,6 +245,17 @@ class RoleRunner:
                 if isinstance(effect, StoreBlob | StoreRecord | StoreVote):
                     storage.succeeded()
         self._wake.set()
+        self._say_catching_up()
+
+    def _say_catching_up(self) -> None:
+        """Tell the node's program (and log) once when the role starts catching up."""
+        reason = self.machine.catching_up
+        if bool(reason) == self._behind:
+            return
+        self._behind = bool(reason)
+        if reason:
+            logger.info("%s: %s", self.role, reason)
+            self.emit(CatchingUp(peer_id=self.services.peer_id, role=self.role, reason=reason))
 
     def do(self, effect: Effect) -> None:
         """Carry out one effect (the trainer takes its own first)."""
@@ -268,6 +281,9 @@ class RoleRunner:
             if effect.reason != self._noticed:  # once, until something else is said
                 self._noticed = effect.reason
                 logger.warning("%s: %s", self.role, effect.reason)
+                self.emit(
+                    CatchingUp(peer_id=services.peer_id, role=self.role, reason=effect.reason)
+                )
         else:
             raise TypeError(f"the {self.role} role has no use for {type(effect).__name__}")
 

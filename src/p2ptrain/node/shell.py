@@ -55,6 +55,7 @@ from p2ptrain.node.collector import BlobCollector, CollectorStatistics
 from p2ptrain.node.dashboard import Dashboard, Snapshot, start_listener, write_peers
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.events import (
+    CatchingUp,
     HeadAdopted,
     NodeEvent,
     Published,
@@ -633,7 +634,7 @@ class Node:
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
             sent["gossip"] += n.gossip.bytes_sent
             received["gossip"] += n.gossip_bytes_received
-        reasons = [r.machine.last_reason for r in self.runners]
+        reasons = [r.machine.catching_up or r.machine.last_reason for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         data = next(
             (d for r in self.runners if isinstance(r, TrainerRunner) and (d := r.data_status())),
@@ -812,7 +813,7 @@ class Node:
             self._published[event.window] = event.update_id
         if self._on_event is not None:
             self._on_event(event)
-        if isinstance(event, RoleFailure):
+        if isinstance(event, RoleFailure | CatchingUp):
             self._write_status(self.status())
 
 
