@@ -28,7 +28,7 @@ from p2ptrain.node.setup import NodeSettings, Prepared, prepare
 from p2ptrain.store.datadir import DataDir
 from tests.support.bad_endpoints import Relay, Unanswering
 from tests.support.liveness import SEED_ENV
-from tests.support.local_net import Net, new_net
+from tests.support.local_net import Net, lone_seed
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -43,14 +43,7 @@ MAX_DELAY_S = 1.0
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     """A running seed of a tiny experiment (nobody else: a join needs only the seed)."""
-    net = new_net(tmp_path_factory.mktemp("join-bootstraps"))
-    try:
-        path = net.write_experiment(validators=["validator-0"], quorum=1, max_updates=1)
-        net.start("seed", "seed", args=["--experiment-toml", str(path)])
-        net.wait_ready(["seed"])
-        yield net
-    finally:
-        net.close()
+    yield from lone_seed(tmp_path_factory.mktemp("join-bootstraps"))
 
 
 def _where(seed: Net) -> tuple[str, str]:

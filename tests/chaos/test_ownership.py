@@ -36,7 +36,7 @@ from p2ptrain.node.parent_death import guards_children
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings, prepare
 from p2ptrain.store.datadir import DataDir, check_not_in_use
-from tests.support.local_net import Net, new_net
+from tests.support.local_net import Net, lone_seed, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -100,14 +100,7 @@ def kill_and_close(pidfds: dict[int, int]) -> None:
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     """A running seed of a tiny experiment, in ``net.workdir / "seed"``."""
-    net = new_net(tmp_path_factory.mktemp("ownership"))
-    try:
-        path = net.write_experiment(validators=["validator-0"], quorum=1, max_updates=1)
-        net.start("seed", "seed", args=["--experiment-toml", str(path)])
-        net.wait_ready(["seed"])
-        yield net
-    finally:
-        net.close()
+    yield from lone_seed(tmp_path_factory.mktemp("ownership"))
 
 
 def test_a_second_node_on_a_data_directory_in_use_exits_2_naming_the_holder(seed: Net) -> None:

@@ -34,8 +34,9 @@ __all__ = ["Relay", "Trickling", "Unanswering"]
 _TICK_S = 0.25
 
 
-class _Endpoint:
-    """A listener on 127.0.0.1 and the connections it accepted, served by one thread."""
+class _Listening:
+    """A listener on 127.0.0.1 served by a thread of its own (:meth:`_serve`, started by the
+    subclass once it is set up) until :meth:`close`."""
 
     def __init__(self, name: str) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -44,11 +45,8 @@ class _Endpoint:
         #: Where a peer record or ``--bootstrap`` points at it.
         self.address = f"http://127.0.0.1:{self.port}"
         self.accepted = 0
-        self.bytes_received = 0
-        self._connections: list[socket.socket] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
 
     def __enter__(self) -> Self:
         return self
@@ -64,7 +62,27 @@ class _Endpoint:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        for connection in [*self._connections, self._listener]:
+        self._release()
+        self._listener.close()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Close the sockets the thread served (it has ended)."""
+
+
+class _Endpoint(_Listening):
+    """A listener on 127.0.0.1 and the connections it accepted, served by one thread."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.bytes_received = 0
+        self._connections: list[socket.socket] = []
+        self._thread.start()
+
+    def _release(self) -> None:
+        for connection in self._connections:
             connection.close()
         self._connections.clear()
 
@@ -175,7 +193,7 @@ class _Leg:
     tail: bytes = b""
 
 
-class Relay:
+class Relay(_Listening):
     """Forwards to ``upstream`` (a node's ``http://host:port``). See the module docstring.
 
     ``delay_s``: each piece of the node's answers reaches the client this long after it
@@ -190,39 +208,19 @@ class Relay:
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"upstream {upstream!r} is not http://host:port")
         self._upstream = (parts.hostname, parts.port)
+        super().__init__("relay")
         self.delay_s = delay_s
         self.trickle_blobs = trickle_blobs
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.setblocking(False)
-        self.port = int(self._listener.getsockname()[1])
-        self.address = f"http://127.0.0.1:{self.port}"
-        self.accepted = 0
         self.blob_requests = 0
         self._legs: dict[socket.socket, _Leg] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="relay", daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def _release(self) -> None:
         for leg in set(self._legs.values()):
             self._end(leg)
         self._selector.close()
-        self._listener.close()
 
     def _serve(self) -> None:
         next_tick = time.monotonic() + _TICK_S

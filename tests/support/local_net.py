@@ -545,6 +545,20 @@ def new_net(workdir: Path) -> Net:
     return Net(workdir, verbose=bool(os.environ.get(VERBOSE_ENV)))
 
 
+def lone_seed(workdir: Path) -> Iterator[Net]:
+    """The body of a module fixture: a :class:`Net` in ``workdir`` running only the seed of
+    a tiny experiment (its data directory ``workdir / "seed"``), stopped and reaped at the
+    end (for tests of joining and of data directories, which need nobody else)."""
+    net = new_net(workdir)
+    try:
+        path = net.write_experiment(validators=["validator-0"], quorum=1, max_updates=1)
+        net.start("seed", "seed", args=["--experiment-toml", str(path)])
+        net.wait_ready(["seed"])
+        yield net
+    finally:
+        net.close()
+
+
 @pytest.fixture
 def local_net(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Net]:
     """A :class:`Net` in ``tmp_path``; every process is stopped and reaped at the end, and

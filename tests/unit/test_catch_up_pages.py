@@ -139,3 +139,25 @@ def test_a_state_nobody_holds_is_said_once_and_asked_for_again_after_a_while() -
     assert again.request.head.height == tip
     policy.fetched(now + 11, again.request, (blobs[tip], None))
     assert follower.base.head.height == tip and follower.catching_up == ""
+
+
+def test_a_next_page_that_does_not_come_moves_the_base_to_what_was_verified() -> None:
+    """A provider named a tip it then did not serve (it went away, or it lied): the base
+    goes on towards the verified chain's tip, and the status no longer counts on the tip
+    that was only named."""
+    chain, blobs = provider_chain({MAX_LINKS_PER_PAGE})
+    follower = Follower(MANIFEST, identity(7), WORKLOAD.genesis())
+    policy = RolePolicy(follower)
+    claimed = ChainPage(
+        tuple(chain.links_after(0)[:MAX_LINKS_PER_PAGE]), 10**9, frozenset(), PROVIDER
+    )
+    (next_page,) = policy.links(0.0, claimed)
+    assert isinstance(next_page, Fetch) and isinstance(next_page.request, ChainFetch)
+    assert f"tip {10**9}" in follower.catching_up
+
+    (state_fetch,) = policy.fetch_failed(1.0, next_page.request, proven_bad=False)
+    assert isinstance(state_fetch, Fetch) and isinstance(state_fetch.request, StateFetch)
+    assert state_fetch.request.head.height == MAX_LINKS_PER_PAGE
+    assert follower.catching_up == f"catching up: at height 0, tip {MAX_LINKS_PER_PAGE}"
+    policy.fetched(2.0, state_fetch.request, (blobs[MAX_LINKS_PER_PAGE], None))
+    assert follower.base.head.height == MAX_LINKS_PER_PAGE and follower.catching_up == ""

@@ -286,7 +286,9 @@ class Follower:
         return [Notice(self.last_reason)]
 
     def resume_catch_up(self) -> list[Action]:
-        """Ask again for the state the base needs (the driver's back-off passed)."""
+        """Ask again for the state the base needs (the driver's back-off passed, or the next
+        page did not come: the tip a provider named is no longer counted on)."""
+        self._tip_seen = self.chain.height
         return self._toward_tip(None, frozenset())
 
     def _toward_tip(self, provider: bytes | None, held: frozenset[int]) -> list[Action]:
@@ -379,6 +381,8 @@ class Follower:
     def _adopt(self, now: float, state: BaseState, reason: str) -> list[Action]:
         self.base = state
         self._stalled = None
+        if state.head.height >= self.chain.height:
+            self._tip_seen = 0  # at the tip of what was verified: a tip only named is dropped
         self.last_reason = f"adopted height {state.head.height}: {reason}"
         return [Adopted(state.head, state.head_id, reason), *self._on_base(now)]
 

@@ -177,7 +177,9 @@ class RolePolicy:
                 self._resume_at = now + CATCH_UP_RETRY_S
                 return self.carry(now, machine.state_unavailable(request.head, request.head_id))
         elif isinstance(request, ChainFetch):
+            # the next page did not come: go on towards the tip of what was verified
             self._chain_asked = None
+            return self.carry(now, self.machine.resume_catch_up())
         elif isinstance(request, AggregateFetch):
             machine = self.machine
             link = machine.chain.at(request.head.height)
