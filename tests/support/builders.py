@@ -53,7 +53,7 @@ def experiment(
 
 
 def synthetic_experiment(
-    workload: SyntheticWorkload, validator: bytes, *, max_updates: int
+    workload: SyntheticWorkload, validator: bytes, *, max_updates: int, min_updates: int = 1
 ) -> ExperimentManifest:
     """An experiment of the simulator's synthetic workload with one validator (q = 1) and
     a deadline of 100 s, for driving the window machines by hand."""
@@ -66,7 +66,9 @@ def synthetic_experiment(
         workload=WorkloadSpec(name="synthetic", schema_hash=schema_hash(genesis)),
         dataset=workload.dataset(),
         inner_steps=1,
-        window=WindowSpec(deadline_s=100.0, proposal_s=5.0, max_updates=max_updates),
+        window=WindowSpec(
+            deadline_s=100.0, proposal_s=5.0, min_updates=min_updates, max_updates=max_updates
+        ),
         codec=CodecSpec(name="fp32"),
         validators=(validator,),
         quorum=1,

@@ -50,8 +50,9 @@ def launch_paced(
 ) -> None:
     """Launch a seed, a reducer, ``validators`` validators (quorum 2) and two trainers
     whose windows need both updates (``min_updates=2``) and, with ``max_updates=3``, never
-    fill: every window runs to its deadline, so the certification rate is steady under load
-    and a fault shows as windows that take longer."""
+    fill; the nodes do not close a window once both trainers reported (``--no-early-close``):
+    every window runs to its deadline, so the certification rate is steady under load and a
+    fault shows as windows that take longer."""
     net.launch(
         validators=validators,
         reducers=1,
@@ -61,7 +62,7 @@ def launch_paced(
         quorum=2,
         deadline_s=deadline_s,
         proposal_s=1.0,
-        extra_args=list(extra_args),
+        extra_args=["--no-early-close", *extra_args],
     )
 
 

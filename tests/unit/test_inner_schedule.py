@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from p2ptrain.core.manifests import InnerOptimizerSpec
 from p2ptrain.errors import InvalidRecord, LocalError
-from p2ptrain.node.trainer_runner import inner_lr_scaler
+from p2ptrain.node.trainer_runner import inner_lr_scaler, warn_if_other_lr
 from p2ptrain.torch.baseline import ddp_equivalent
 from p2ptrain.torch.char_gpt import demo_inner_schedule
 from p2ptrain.torch.workload import TorchWorkload
@@ -116,6 +116,18 @@ def test_a_scheduled_experiment_needs_a_workload_that_can_follow_it() -> None:
     assert scale is not None
     scale(cosine.lr_scale(24))
     assert workload.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * cosine.lr_scale(24))
+
+
+def test_an_optimizer_built_with_another_rate_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    workload = _workload(lr=0.003)  # groups at 3e-3 and 3e-4
+    assert warn_if_other_lr(workload, InnerOptimizerSpec(lr=0.003)) is None
+    assert warn_if_other_lr(object(), InnerOptimizerSpec(lr=0.001)) is None  # no rates known
+    with caplog.at_level("WARNING"):
+        warning = warn_if_other_lr(workload, InnerOptimizerSpec(lr=0.001))
+    assert warning is not None and warning in caplog.text
+    assert "learning rate 0.0003, 0.003" in warning and "inner_optimizer.lr is 0.001" in warning
 
 
 def test_ddp_replay_follows_the_schedule() -> None:

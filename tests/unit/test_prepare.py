@@ -83,6 +83,8 @@ def test_the_manifest_names_each_file_by_its_hash_and_size(tmp_path: Path) -> No
         "shards": 4,
         "samples": 100,
         "bytes": manifest.total_bytes,
+        "validation_shards": 0,
+        "validation_samples": 0,
         "location": str(tmp_path / "out"),
     }
     assert ids_of(dataset) == np.arange(800).reshape(100, 8).tolist()

@@ -110,6 +110,7 @@ def test_reason_labels_are_short_and_bounded() -> None:
 @pytest.mark.parametrize("saw_the_proposal", [False, True])
 def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposal: bool) -> None:
     telemetry = NodeTelemetry(tmp_path)
+    telemetry._adopted_at = 10.0  # the window opened at 10 s (the clock of this test)
     good = _update(KEYS[0], 1, 2.5, 1)
     bad = _update(KEYS[1], 1, 9.0, 2)
     late = _update(KEYS[2], 1, 2.6, 3)
@@ -158,7 +159,13 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposa
     assert fates[PEERS[1]] == ("rejected", expected, 9.0)
     assert fates[PEERS[2]][0] == "left out"
     assert [q.peer for q in record.quarantine] == [PEERS[1]]
-    assert record.phases == {"train": 4.0, "publish": 0.5, "attest": 0.25, "certify": 0.75}
+    assert record.phases == {
+        "train": 4.0,
+        "publish": 0.5,
+        "attest": 0.25,
+        "certify": 0.75,
+        "wait": 3.0,  # from the opening at 10 s to the first proposal at 13 s
+    }
     assert (record.bytes_sent, record.bytes_received) == (1000, 5000)
     assert record.reason == "certified"
     assert telemetry.windows_certified == 1 and telemetry.updates_accepted == 1

@@ -109,12 +109,44 @@ def test_a_file_reference_leaves_sys_path_as_it_was(model_file: Path) -> None:
     assert sys.path == before
 
 
-def test_a_factory_that_raises_is_named_with_its_exception(model_file: Path) -> None:
+def _line_of(text: str, code: str) -> int:
+    return text.splitlines().index(code) + 1
+
+
+def test_a_factory_that_raises_is_named_with_its_exception_and_its_last_frame(
+    model_file: Path,
+) -> None:
     reference = f"{model_file}:broken"
     with pytest.raises(LocalError) as info:
         make_workload(reference, {})
     assert reference in str(info.value)
-    assert "ValueError: boom in the factory" in str(info.value)
+    line = _line_of(MODEL_FILE, '    raise ValueError("boom in the factory")')
+    assert str(info.value).endswith(
+        f"ValueError: boom in the factory (at {model_file}, line {line}, in broken)"
+    )
+
+
+def test_the_command_prints_one_line_and_under_v_the_factorys_traceback(
+    tmp_path: Path, model_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from p2ptrain.cli.main import main
+
+    definition = tmp_path / "experiment.toml"
+    definition.write_text(f'[workload]\nreference = "{model_file}:broken"\n')
+    command = ["experiment", "coverage", "--experiment-toml", str(definition)]
+    command += ["--trainers", "2", "--windows", "1"]
+    line = _line_of(MODEL_FILE, '    raise ValueError("boom in the factory")')
+
+    assert main(command) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors[-1].startswith("p2ptrain: error: workload ")
+    assert errors[-1].endswith(f"(at {model_file}, line {line}, in broken)")
+    assert not any("Traceback" in e for e in errors)
+
+    assert main(["-v", *command]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors[-1].startswith("p2ptrain: error: workload ")
+    assert f'  File "{model_file}", line {line}, in broken' in errors
 
 
 def test_a_factory_returning_neither_workload_nor_dict_is_refused(model_file: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
+from p2ptrain.torch.demo_settings import DEMO_DEFAULTS
 from p2ptrain.torch.workload import TorchWorkload
 
 __all__ = [
@@ -50,15 +51,16 @@ DONE_FILE = "done.json"
 
 @dataclass(frozen=True)
 class Task:
-    """What every system trains: the workload, how many workers, how many steps each."""
+    """What every system trains: the workload, how many workers, how many steps each (by
+    default the demo's)."""
 
-    workers: int = 4
-    windows: int = 24
-    inner_steps: int = 50
+    workers: int = int(DEMO_DEFAULTS["trainers"])
+    windows: int = int(DEMO_DEFAULTS["windows"])
+    inner_steps: int = int(DEMO_DEFAULTS["inner_steps"])
     config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONFIG))
     seed: int = 0
     #: Our network's window.staleness (DDP and hivemind have no such setting).
-    staleness: int = 0
+    staleness: int = int(DEMO_DEFAULTS["staleness"])
 
     @property
     def steps(self) -> int:

@@ -1,10 +1,10 @@
 """``p2ptrain bench data``: how long a trainer holding no data takes to its first inner step.
 
-One run on loopback: ``--size-mb`` of token rows (``block_size + 1`` character ids each,
-one byte per id, drawn from a seeded generator) are written as a ``.npy`` and prepared into shards
-(:func:`~p2ptrain.data.prepare.prepare_dataset`); a seed signs a char-GPT experiment on them
-(``[data] prepared = ...``) and imports the shards. Then the same trainer starts twice on the
-same data directory:
+One run on loopback: ``--size-mb`` of text (seeded random characters of a 65-letter
+alphabet) is prepared into shards of ``block_size + 1`` character ids per row
+(:func:`~p2ptrain.data.prepare.prepare_dataset`, ``--tokenizer chars``); a seed signs a
+char-GPT experiment on them (``[data] prepared = ...``) and imports the shards. Then the
+same trainer starts twice on the same data directory:
 
 * **cold**: a fresh data directory: it joins, fetches the genesis weights and the shards its
   first lease names, and starts training;
@@ -38,18 +38,17 @@ _VOCAB = 65
 _ROWS_PER_WRITE = 1 << 20
 
 
-def _write_tokens(path: Path, size_bytes: int, seed: int) -> int:
-    """A ``.npy`` of uint8 token rows of ``block_size + 1`` ids, about ``size_bytes`` big."""
+def _write_text(path: Path, size_bytes: int, seed: int) -> int:
+    """A text file of about ``size_bytes`` seeded random characters of a :data:`_VOCAB`
+    letter alphabet; returns its rows of ``block_size + 1`` characters."""
     width = int(_CONFIG["block_size"]) + 1
-    rows = max(1, size_bytes // width)
-    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(rows, width))
+    alphabet = np.frombuffer(bytes(range(48, 48 + _VOCAB)), dtype=np.uint8)
     rng = np.random.default_rng(seed)
-    for start in range(0, rows, _ROWS_PER_WRITE):
-        stop = min(rows, start + _ROWS_PER_WRITE)
-        array[start:stop] = rng.integers(0, _VOCAB, size=(stop - start, width), dtype=np.uint8)
-    array.flush()
-    del array
-    return rows
+    with path.open("wb") as out:
+        for start in range(0, size_bytes, _ROWS_PER_WRITE * width):
+            count = min(size_bytes - start, _ROWS_PER_WRITE * width)
+            out.write(alphabet[rng.integers(0, _VOCAB, size=count)].tobytes())
+    return max(1, size_bytes // width)
 
 
 def _experiment(network: LocalNetwork, prepared: Path) -> Path:
@@ -106,11 +105,16 @@ def run_data_bench(
         source = root / "source"
         source.mkdir()
         began = time.monotonic()
-        rows = _write_tokens(source / "input_ids.npy", size_mb << 20, seed)
+        rows = _write_text(source / "letters.txt", size_mb << 20, seed)
         wrote_s = time.monotonic() - began
         began = time.monotonic()
         prepared = prepare_dataset(
-            source, root / "prepared", name="tokens", shard_bytes=shard_mb << 20
+            source / "letters.txt",
+            root / "prepared",
+            name="tokens",
+            shard_bytes=shard_mb << 20,
+            block_size=int(_CONFIG["block_size"]) + 1,
+            tokenizer="chars",
         )
         prepare_s = time.monotonic() - began
         shutil.rmtree(source)

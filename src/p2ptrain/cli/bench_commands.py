@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from p2ptrain.cli.usage import show_usage
-from p2ptrain.core.manifests import MAX_STALENESS
 
 
 def add_parsers(commands: Any) -> None:
@@ -196,9 +195,10 @@ def _add_data(sub: Any) -> None:
 
 
 def _add_convergence(sub: Any) -> None:
-    from p2ptrain.bench.convergence_task import Task
+    from p2ptrain.torch.demo_settings import DEMO_DEFAULTS  # the task's defaults (no torch)
 
-    task = Task()
+    trainers, windows = int(DEMO_DEFAULTS["trainers"]), int(DEMO_DEFAULTS["windows"])
+    inner_steps, staleness = int(DEMO_DEFAULTS["inner_steps"]), int(DEMO_DEFAULTS["staleness"])
     convergence = sub.add_parser(
         "convergence",
         help="real DDP, hivemind and our network on one task, on shaped links: loss against "
@@ -213,23 +213,26 @@ def _add_convergence(sub: Any) -> None:
         "--link-mbit", type=float, default=50.0, help="each link's rate (default 50)"
     )
     convergence.add_argument(
-        "--trainers", type=int, default=task.workers, help="workers of each system (default 4)"
+        "--trainers",
+        type=int,
+        default=trainers,
+        help=f"workers of each system (default {trainers})",
     )
     convergence.add_argument(
-        "--windows", type=int, default=task.windows, help=f"windows (default {task.windows})"
+        "--windows", type=int, default=windows, help=f"windows (default {windows})"
     )
     convergence.add_argument(
         "--inner-steps",
         type=int,
-        default=task.inner_steps,
-        help=f"steps per window; DDP runs windows x this many (default {task.inner_steps})",
+        default=inner_steps,
+        help=f"steps per window; DDP runs windows x this many (default {inner_steps})",
     )
     convergence.add_argument(
         "--staleness",
         type=int,
-        default=task.staleness,
+        default=staleness,
         help="our network's window.staleness: 1 trains the next window while one is "
-        f"certified (default {task.staleness})",
+        f"certified (default {staleness})",
     )
     convergence.add_argument(
         "--systems",
@@ -259,6 +262,7 @@ def run_convergence_bench(args: argparse.Namespace) -> int:
 
     from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
     from p2ptrain.bench.convergence_task import Task
+    from p2ptrain.core.manifests import MAX_STALENESS
     from p2ptrain.errors import LocalError
 
     if args.trainers < 2 or args.windows < 1 or args.inner_steps < 1 or args.link_mbit <= 0:

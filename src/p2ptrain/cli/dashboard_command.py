@@ -9,9 +9,6 @@ runs); a stopped node's directory shows where it stopped.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +33,16 @@ def add_parser(commands: Any, data_dir: str) -> None:
 
 
 def run_dashboard(args: argparse.Namespace) -> int:
+    import asyncio
+
     return asyncio.run(_serve(Path(args.dir), args.listen))
 
 
 async def _serve(data_dir: Path, where: str) -> int:
+    import asyncio
+    import contextlib
+    import signal
+
     from p2ptrain.node.dashboard import DataDirSnapshots, start_listener
 
     snapshots = DataDirSnapshots(data_dir)

@@ -60,6 +60,13 @@ def add_parsers(commands: Any) -> None:
     prepare.add_argument("--split", help="the split of a Hugging Face DatasetDict (train)")
     prepare.add_argument("--column", help="the column name of .npy rows (input_ids)")
     prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help="hold out this fraction of the rows (evenly spread) as the validation split: "
+        "shards no lease names, on which built-in workloads report the validation loss",
+    )
+    prepare.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --out (a prepared dataset) once the new one is complete",
@@ -114,6 +121,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         split=args.split,
         column=args.column,
         overwrite=args.overwrite,
+        val_fraction=args.val_fraction,
         on_progress=_show_progress if sys.stderr.isatty() and not args.json else None,
     )
     seconds = time.monotonic() - started
@@ -135,9 +143,15 @@ def run_prepare(args: argparse.Namespace) -> int:
 def _report(dataset: PreparedDataset, before: str, after: str, *, verified: bool = False) -> None:
     """The summary line, the details and the lines for an experiment definition."""
     summary = dataset.describe()
+    validation = dataset.manifest.validation
+    held = (
+        f"; validation split: {len(validation)} shards, {summary['validation_samples']} samples"
+        if validation
+        else "; no validation split (--val-fraction F holds one out)"
+    )
     print(
         f"{before}{summary['shards']} shards, {summary['samples']} samples, "
-        f"{mib(dataset.manifest.total_bytes)}{after}"
+        f"{mib(dataset.manifest.total_bytes)}{held}{after}"
     )
     print(*_details(dataset), sep="\n")
     if verified:

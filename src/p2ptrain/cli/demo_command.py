@@ -51,7 +51,6 @@ from p2ptrain.node.events import (
     Trained,
     mean_utilisation,
 )
-from p2ptrain.store.datadir import check_not_in_use
 
 if TYPE_CHECKING:
     from p2ptrain.cli.demo_experiment import DemoExperiment
@@ -66,7 +65,7 @@ SIGNAL_STOP_S = 5.0
 
 
 def add_parser(commands: Any) -> None:
-    from p2ptrain.torch.char_gpt import DEMO_DEFAULTS
+    from p2ptrain.torch.demo_settings import DEMO_DEFAULTS
 
     demo = commands.add_parser(
         "demo",
@@ -115,20 +114,22 @@ def add_parser(commands: Any) -> None:
 
 def demo_workload(experiment: DemoExperiment) -> Any:
     """The workload the demo trains, on the prepared shards its definition names (read from
-    their directory) when it names some."""
+    their directory) when it names some: a built-in workload then takes its vocabulary and
+    validation split from that dataset, as every node of the demo does."""
     from p2ptrain.data.prepare import read_prepared
     from p2ptrain.node.launch import attach_shards
     from p2ptrain.torch.registry import make_workload
 
-    workload = make_workload(experiment.code, experiment.config)
-    if experiment.prepared is not None:
-        prepared = read_prepared(experiment.prepared)
-        attach_shards(
-            workload,
-            prepared.manifest,
-            lambda shard: prepared.shard_path(shard.name),
-            str(prepared.path),
-        )
+    if experiment.prepared is None:
+        return make_workload(experiment.code, experiment.config)
+    prepared = read_prepared(experiment.prepared)
+    workload = make_workload(experiment.code, experiment.config, dataset=prepared.manifest)
+    attach_shards(
+        workload,
+        prepared.manifest,
+        lambda shard: prepared.shard_path(shard.name),
+        str(prepared.path),
+    )
     return workload
 
 
@@ -146,7 +147,11 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     _wipe(workdir)
     experiment = demo_experiment(args.workload, args.experiment_toml)
-    step_s = seconds_per_step(demo_workload(experiment))
+    workload = demo_workload(experiment)
+    dry_run = getattr(workload, "dry_run", None)
+    if callable(dry_run):
+        dry_run()  # a mistake in the model or data is told in words, before anything runs it
+    step_s = seconds_per_step(workload)
     train_s, deadline_s = window_seconds(step_s, args.inner_steps, args.trainers)
     console.print(
         f"[bold]p2ptrain demo[/]: {args.trainers} trainers, 3 validators (quorum 2), 1 reducer, "
@@ -270,6 +275,8 @@ def _run(
 
 def _wipe(workdir: Path) -> None:
     """Empty ``workdir`` for a new demo, unless a node still runs on a data directory in it."""
+    from p2ptrain.store.datadir import check_not_in_use
+
     if workdir.is_dir():
         for path in (workdir, *workdir.iterdir()):
             try:
@@ -427,8 +434,7 @@ def _summarise(
     manifest, experiment_id, height, _head, weights = canonical_weights(seed_dir)
     torch.set_num_threads(2)
     workload = build()
-    genesis_val_loss = workload.evaluate(workload.initial_weights())
-    val_loss = workload.evaluate(weights)
+    missing, genesis_val_loss, val_loss = _validation(workload, weights, console)
     peer_ids = [network.nodes[t].peer_id for t in trainers]
     statuses = [read_status(network.workdir / name) for name in trainers]
     sent = sum(s.bytes_sent for s in statuses) // len(statuses)
@@ -438,8 +444,10 @@ def _summarise(
     ddp_each_way = ddp_bytes_per_worker(parameters, steps, len(trainers))
     summary: dict[str, Any] = {
         "windows_certified": height,
-        "val_loss": round(val_loss, 4),
-        "genesis_val_loss": round(genesis_val_loss, 4),
+        "val_loss": _rounded(val_loss),
+        "genesis_val_loss": _rounded(genesis_val_loss),
+        "validation_samples": int(getattr(workload, "validation_samples", 0) or 0),
+        "validation_missing": missing,
         "baseline_val_loss": None,
         "bytes_per_trainer_sent": sent,
         "bytes_per_trainer_received": received,
@@ -450,7 +458,9 @@ def _summarise(
         "parameters per step, sent and as much received",
         "checkpoint": exported["checkpoint"],
         "export_hf": None,
-        "val_loss_curve": _loss_curve(seed_dir, certified, workload, genesis_val_loss, console),
+        "val_loss_curve": []
+        if genesis_val_loss is None
+        else _loss_curve(seed_dir, certified, workload, genesis_val_loss, console),
         "baseline_seconds": None,
         "baseline_curve": [],
         "loss_png": None,
@@ -460,7 +470,7 @@ def _summarise(
         "inner_steps": manifest.inner_steps,
         "experiment_id": experiment_id,
     }
-    if not args.no_baseline and height > 0:
+    if not args.no_baseline and height > 0 and val_loss is not None:
         console.print(f"training the DDP-equivalent baseline ({steps} steps)...")
         windows = [
             [lease_indices(manifest.dataset, lease_for(manifest, w, p)) for p in peer_ids]
@@ -504,8 +514,25 @@ def _summarise(
     summary["bytes_ratio"] = round(
         summary["ddp_bytes_per_trainer"] / max(1, summary["bytes_per_trainer"]), 1
     )
-    summary["loss_png"] = _plot_loss(network.workdir / LOSS_PNG, summary, console)
+    if summary["val_loss_curve"]:
+        summary["loss_png"] = _plot_loss(network.workdir / LOSS_PNG, summary, console)
     return summary
+
+
+def _validation(
+    workload: Any, weights: dict[str, Any], console: Any
+) -> tuple[str | None, float | None, float | None]:
+    """(why there is no validation loss, the genesis weights' loss, ``weights``' loss): the
+    losses are None, and the reason said, when the workload has no validation data."""
+    missing = getattr(workload, "validation_missing", None)
+    if missing:
+        console.print(f"[yellow]no validation loss: {missing}")
+        return missing, None, None
+    return None, workload.evaluate(workload.initial_weights()), workload.evaluate(weights)
+
+
+def _rounded(loss: float | None) -> float | None:
+    return None if loss is None else round(loss, 4)
 
 
 def _loss_curve(
@@ -565,10 +592,14 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
 
     table = Table(title="p2ptrain demo", show_header=False)
     table.add_row("windows certified", str(summary["windows_certified"]))
-    table.add_row(
-        "validation loss (canonical)",
-        f"{summary['val_loss']:.4f}  (at genesis {summary['genesis_val_loss']:.4f})",
-    )
+    if summary["val_loss"] is None:
+        table.add_row("validation loss", f"none: {summary['validation_missing']}")
+    else:
+        table.add_row(
+            "validation loss (canonical)",
+            f"{summary['val_loss']:.4f}  (at genesis {summary['genesis_val_loss']:.4f}; "
+            f"{summary['validation_samples']} validation samples)",
+        )
     if summary["baseline_val_loss"] is not None:
         table.add_row(
             "validation loss (DDP-equivalent)",
@@ -589,7 +620,9 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
             "trainer compute utilisation", f"{100 * summary['compute_utilisation']:.0f} %"
         )
     table.add_row("checkpoint", summary["checkpoint"])
-    table.add_row("loss plot", summary["loss_png"] or "not drawn (matplotlib is not installed)")
+    if summary["val_loss"] is not None:
+        drawn = summary["loss_png"] or "not drawn (matplotlib is not installed)"
+        table.add_row("loss plot", drawn)
     if summary["export_hf"]:
         table.add_row("Hugging Face export", summary["export_hf"])
     table.add_row("time", f"{summary['seconds']:.0f} s")

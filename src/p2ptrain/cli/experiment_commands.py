@@ -1,5 +1,5 @@
-"""``p2ptrain experiment create|show|coverage``: define, sign and inspect experiments, and
-see how evenly their leases reach the dataset."""
+"""``p2ptrain experiment template|create|show|coverage``: start, define, sign and inspect
+experiments, and see how evenly their leases reach the dataset."""
 
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ from p2ptrain.core.manifests import (
 )
 from p2ptrain.errors import InvalidRecord, LocalError, ProtocolViolation
 from p2ptrain.store.atomic import write_atomically
-from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.keyfile import load_identity
+
+#: Where installed packages register workloads (``p2ptrain.torch.registry``, which imports
+#: torch, names the same group).
+WORKLOAD_ENTRY_POINTS = "p2ptrain.workloads"
 
 #: inner_steps when a definition leaves it out (the manifest's default).
 _INNER_STEPS: int = next(
@@ -47,6 +50,27 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     sub = experiment.add_subparsers(dest="experiment_command", metavar="SUBCOMMAND")
 
+    template = sub.add_parser(
+        "template",
+        help="print a commented starting experiment definition (TOML) for a workload",
+        description="Print an experiment definition for --workload: the keys a seed needs, "
+        "every other key commented out with its default and meaning, and the keys the seed "
+        "fills in. Save it, then `p2ptrain demo --experiment-toml FILE` or `p2ptrain seed "
+        "--experiment-toml FILE`. Every key is explained in docs/experiment.md (--doc).",
+    )
+    template.add_argument(
+        "--workload",
+        metavar="REF",
+        help="char-gpt (the default), hf-causal-lm, an installed workload's name, or your "
+        "code: path/to/file.py:factory or package.module:factory (not imported)",
+    )
+    template.add_argument(
+        "--doc",
+        action="store_true",
+        help="print the reference of every key instead, as Markdown (docs/experiment.md)",
+    )
+    template.set_defaults(handler=run_template)
+
     create = sub.add_parser(
         "create",
         help="validate a TOML experiment definition, sign it and print its id",
@@ -54,7 +78,7 @@ def add_parsers(commands: Any, data_dir: str) -> None:
         "directory's key (which becomes the experiment authority), store it, write the "
         "signed manifest to --out and print the experiment id.",
     )
-    create.add_argument("toml", help="experiment definition (see examples/experiment.toml)")
+    create.add_argument("toml", help="experiment definition (see docs/experiment.md)")
     create.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")
     create.add_argument(
         "--out", help="where to write the signed manifest (default: TOML path + .experiment)"
@@ -111,7 +135,25 @@ def _read(path: str) -> bytes:
         raise LocalError(f"cannot read {path}: {exc.strerror}") from exc
 
 
+def run_template(args: argparse.Namespace) -> int:
+    from importlib.metadata import entry_points
+
+    from p2ptrain.core.experiment_doc import reference_markdown
+    from p2ptrain.core.experiment_template import DEFAULT_WORKLOAD, experiment_template
+
+    if args.doc:
+        if args.workload is not None:
+            raise LocalError("--doc: the reference covers every workload; leave out --workload")
+        sys.stdout.write(reference_markdown())
+        return 0
+    installed = {point.name for point in entry_points(group=WORKLOAD_ENTRY_POINTS)}
+    sys.stdout.write(experiment_template(args.workload or DEFAULT_WORKLOAD, installed))
+    return 0
+
+
 def run_create(args: argparse.Namespace) -> int:
+    from p2ptrain.store.datadir import DataDir  # sqlite, which only this command needs
+
     try:
         text = _read(args.toml).decode("utf-8")
     except UnicodeDecodeError:

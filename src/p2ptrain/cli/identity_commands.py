@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from p2ptrain.core.identity import Identity
-from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.keyfile import create_identity, load_identity
+
+if TYPE_CHECKING:
+    from p2ptrain.core.identity import Identity
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -51,6 +52,8 @@ def _print_identity(identity: Identity, data_dir: str, as_json: bool) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
+    from p2ptrain.store.datadir import DataDir  # sqlite, for the new directory's layout
+
     identity = create_identity(args.dir)
     DataDir(args.dir).close()  # lay out blobs/ and node.db
     _print_identity(identity, args.dir, args.json)

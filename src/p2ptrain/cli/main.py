@@ -1,4 +1,12 @@
-"""The ``p2ptrain`` command. Only this package reads argv and the environment."""
+"""The ``p2ptrain`` command. Only this package reads argv and the environment.
+
+The command modules define their options with light imports only; torch, the node's
+runtime, the simulator and the benchmarks are imported by the handlers that use them, so
+``--version``, ``--help`` and the commands that only read files or ask a node (``status``,
+``identity``, ``dashboard``, ``experiment show``, ``data show``) import none of them
+(``tests/unit/test_cli_no_torch.py``). The handlers that aggregate install the C kernel
+themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from p2ptrain import __version__
@@ -20,7 +29,6 @@ from p2ptrain.cli import (
     sim_commands,
 )
 from p2ptrain.errors import LocalError, P2PTrainError
-from p2ptrain.store.kernel_build import ensure_kernel
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
 
@@ -37,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `p2ptrain COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log debug messages, and print the traceback of an error",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     data_dir = default_data_dir()
     demo_command.add_parser(commands)
@@ -63,15 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    ensure_kernel()  # the C aggregation kernel, built on first use
     try:
         code: int = handler(args)
-    except LocalError as exc:
-        print(f"p2ptrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except P2PTrainError as exc:
-        print(f"p2ptrain: error: {exc}", file=sys.stderr)
-        return 1
+        _report(exc, verbose=args.verbose)
+        return exc.exit_code if isinstance(exc, LocalError) else 1
     except KeyboardInterrupt:
         print("p2ptrain: interrupted", file=sys.stderr)
         return 130
@@ -79,6 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     return code
+
+
+def _report(exc: P2PTrainError, *, verbose: bool) -> None:
+    """One plain line; under ``-v`` the traceback first (of the cause too: a workload
+    factory's own file and line)."""
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"p2ptrain: error: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,17 @@ object per event on stdout, for scripts and the demo) and logs problems on stder
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli.data_commands import mib
 from p2ptrain.cli.status_text import store_text, tallies, validation_text
+from p2ptrain.core.records import ROLES
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
     CatchingUp,
@@ -36,9 +36,11 @@ from p2ptrain.node.events import (
     encode_event,
 )
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
-from p2ptrain.node.setup import DEFAULT_DATA_CACHE_MB, ROLES, NodeSettings, new_secret
 from p2ptrain.node.status import NodeStatus, decode_status, read_status
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
+
+if TYPE_CHECKING:  # the node's runtime (torch) is imported by the commands that run one
+    from p2ptrain.node.setup import NodeSettings
 
 _NODE_COMMANDS = {
     "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
@@ -63,6 +65,8 @@ _CONFIG_KEYS = {
     "relay",
     "secret_file",
     "windows",
+    "until_height",
+    "close_early",
     "threads",
     "mdns",
     "network_name",
@@ -196,7 +200,21 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         "without credentials (default: none; the node's server answers /metrics to loopback "
         "only, and its dashboard at / to loopback, or to everyone on an open network)",
     )
-    parser.add_argument("--windows", type=int, help="stop once this many windows are certified")
+    stop_at = parser.add_mutually_exclusive_group()
+    stop_at.add_argument(
+        "--windows",
+        type=int,
+        help="take part in this many more certified windows (counted once caught up), then stop",
+    )
+    stop_at.add_argument("--until-height", type=int, help="stop once the chain reaches this height")
+    parser.add_argument(
+        "--no-early-close",
+        dest="close_early",
+        action="store_false",
+        default=None,
+        help="(reducer, validator) wait for every window's deadline, even once every trainer "
+        "it expects has reported",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--mdns", action="store_true", default=None, help="find peers on the LAN")
     parser.add_argument("--network-name", help="name of the network a seed creates")
@@ -292,6 +310,8 @@ def _secret(path: str | None, *, create: bool = False) -> bytes | None:
     if path is None:
         return None
     if create and not Path(path).exists():
+        from p2ptrain.node.setup import new_secret
+
         secret = new_secret()
         try:
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -318,6 +338,8 @@ def _secret(path: str | None, *, create: bool = False) -> bytes | None:
 
 
 def settings_from(args: argparse.Namespace) -> NodeSettings:
+    from p2ptrain.node.setup import DEFAULT_DATA_CACHE_MB, NodeSettings
+
     config = _config(args.config)
 
     def pick(name: str, default: Any = None) -> Any:
@@ -347,7 +369,9 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         relay=pick("relay"),
         secret=_secret(pick("secret_file"), create="seed" in roles),
         network_name=pick("network_name", "p2ptrain"),
-        windows=pick("windows"),
+        windows=_stop_after(pick("windows"), pick("until_height")),
+        until_height=_positive(pick("until_height"), "--until-height"),
+        close_early=bool(pick("close_early", True)),
         threads=int(pick("threads", 1)),
         mdns=bool(pick("mdns", False)),
         max_role_failures=int(pick("max_role_failures", DEFAULT_MAX_FAILURES)),
@@ -375,17 +399,23 @@ def run_node_command(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False, highlight=False)
     columns = [TextColumn("[bold]windows"), BarColumn(), TextColumn("{task.completed}")]
-    if settings.windows is not None:
+    total = settings.windows or settings.until_height
+    if total is not None:
         columns.append(TextColumn("/ {task.total}"))
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("windows", total=settings.windows)
+        # --windows counts the windows from the height the node started at
+        task = progress.add_task("windows", total=total)
+        started: list[int] = []
 
         def show(event: NodeEvent) -> None:
             line = _describe_event(event)
             if line:
                 progress.console.print(line, soft_wrap=True)  # ids stay whole
+            if isinstance(event, Ready):
+                started.append(event.height)
             if isinstance(event, Ready | HeadAdopted):
-                progress.update(task, completed=event.height)
+                origin = started[0] if started and settings.windows is not None else 0
+                progress.update(task, completed=max(0, event.height - origin))
 
         status = run_node(settings, on_event=show)
     console.print(f"stopped at height {status.height} (head {status.head_id[:12]})")
@@ -439,6 +469,8 @@ def _describe_event(event: NodeEvent) -> str | None:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    import asyncio
+
     target: str = args.target
     secret = _secret(args.secret_file) if target.startswith(("http://", "https://")) else None
 
@@ -542,7 +574,10 @@ async def _remote_status(address: str, secret: bytes | None) -> NodeStatus:
         finally:
             await client.close()
     except (TransportError, ProtocolViolation) as exc:
-        raise LocalError(f"cannot get the status of {address}: {exc}") from exc
+        raise LocalError(
+            f"cannot get the status of {address}: {exc}; check the address and that the node "
+            "runs (or give its data directory)"
+        ) from exc
     return decode_status(data, address)
 
 
@@ -597,3 +632,21 @@ def run_evaluate(args: argparse.Namespace) -> int:
             f"difference {report['difference']:+.2e}"
         )
     return 0
+
+
+def _stop_after(windows: object, until_height: object) -> int | None:
+    if windows is not None and until_height is not None:
+        raise LocalError(
+            "give --windows (more windows to take part in) or --until-height (a height to "
+            "stop at), not both (check the config file too)"
+        )
+    return _positive(windows, "--windows")
+
+
+def _positive(value: object, option: str) -> int | None:
+    """``value`` as a whole number of at least 1 (None stays None), or a LocalError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LocalError(f"{option} must be a whole number of at least 1, got {value!r}")
+    return value

@@ -47,7 +47,6 @@ def _slow(text: str) -> Any:
 
 
 def add_parsers(commands: Any) -> None:
-    from p2ptrain.sim.attacks import ATTACKS
     from p2ptrain.sim.scenario import ADVERSARIES
 
     sim = commands.add_parser(
@@ -64,7 +63,13 @@ def add_parsers(commands: Any) -> None:
     sim.add_argument("--windows", type=int, required=True)
     sim.add_argument("--workload", choices=["synthetic", "digits"], default="synthetic")
     sim.add_argument("--byzantine", type=int, default=0, help="Byzantine trainers (t0..)")
-    sim.add_argument("--attack", choices=sorted(ATTACKS), default="sign_flip")
+    sim.add_argument(
+        "--attack",
+        default="sign_flip",
+        metavar="NAME",
+        help="what the Byzantine trainers send (default sign_flip; an unknown name lists the "
+        "attacks of p2ptrain.sim.attacks)",
+    )
     sim.add_argument("--rule", default="trimmed_mean", help="aggregation rule")
     sim.add_argument("--codec", default="fp16", help="update codec")
     sim.add_argument(

@@ -5,7 +5,8 @@ The TOML mirrors the manifest: top-level keys for scalars and one table per comp
 ``[outer_optimizer]``, ``[window]``, ``[codec]``, ``[aggregation]``, ``[screening]``).
 Validator keys are hex; their order in the file does not matter. The authority is the key
 that signs the manifest, so it is not written in the file. Any problem raises
-:class:`~p2ptrain.errors.LocalError` naming the field.
+:class:`~p2ptrain.errors.LocalError` naming the field. Every key is documented in
+``docs/experiment.md``, generated from :mod:`p2ptrain.core.experiment_reference`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _describe(message: str) -> str:
         # A record's own check already names the field; add the list index msgspec knows.
         return f"{where}{named[len(base) :]}: {problem}" if where else detail
     if detail.startswith("Object contains unknown field"):
-        detail += " (check its spelling against docs/protocol.md)"
+        detail += " (check its spelling against docs/experiment.md)"
     return f"{where or '(top level)'}: {detail}"
 
 

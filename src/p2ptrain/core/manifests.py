@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 
 import msgspec
@@ -167,18 +168,97 @@ class ShardInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         rules.check_int("dataset.shards.bytes", self.bytes, 0, MAX_SHARD_BYTES)
 
 
-class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: str
-    shards: tuple[ShardInfo, ...]
-    kind: str = "indexed"
+#: How a text dataset's token ids were made (``p2ptrain data prepare --tokenizer``).
+TOKENIZER_KINDS = ("bytes", "chars", "huggingface")
+#: The largest vocabulary a dataset may record (token ids are below it).
+MAX_VOCAB_SIZE = 1 << 24
+#: The most characters a ``chars`` vocabulary may hold (Unicode has fewer code points).
+MAX_CHARS_VOCAB = 1_114_112
+
+
+class TokenizerSpec(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """How a text dataset's rows of token ids were made, so that every peer builds a model
+    of the right vocabulary and an export can decode ids: ``kind`` ``bytes`` (UTF-8 bytes,
+    256 ids), ``chars`` (``vocab`` holds the character of each id, in id order: the sorted
+    distinct characters of the corpus) or ``huggingface`` (a tokenizer of class ``name``);
+    ``vocab_size`` ids, ``block_size`` tokens per row."""
+
+    kind: str
+    vocab_size: int
+    block_size: int
+    vocab: str = ""
+    name: str = ""
 
     def __post_init__(self) -> None:
+        rules.check_choice("dataset.tokenizer.kind", self.kind, TOKENIZER_KINDS)
+        rules.check_int("dataset.tokenizer.vocab_size", self.vocab_size, 1, MAX_VOCAB_SIZE)
+        rules.check_int("dataset.tokenizer.block_size", self.block_size, 1, 1 << 24)
+        if self.kind == "bytes" and self.vocab_size != 256:
+            raise InvalidRecord("dataset.tokenizer.vocab_size", "is 256 for the bytes tokenizer")
+        if self.kind == "chars":
+            if len(self.vocab) != self.vocab_size or self.vocab_size > MAX_CHARS_VOCAB:
+                raise InvalidRecord(
+                    "dataset.tokenizer.vocab",
+                    f"must hold vocab_size ({self.vocab_size}) characters, got {len(self.vocab)}",
+                )
+            points = [ord(c) for c in self.vocab]
+            if any(a >= b for a, b in itertools.pairwise(points)):
+                raise InvalidRecord(
+                    "dataset.tokenizer.vocab", "must be distinct characters in code point order"
+                )
+        elif self.vocab:
+            raise InvalidRecord("dataset.tokenizer.vocab", f"is for chars, not {self.kind}")
+        if self.name:
+            rules.check_text("dataset.tokenizer.name", self.name, 128)
+
+    @property
+    def tokens(self) -> tuple[str, ...] | None:
+        """The string of each token id, when the dataset records them (``chars``)."""
+        return tuple(self.vocab) if self.kind == "chars" else None
+
+
+class DatasetManifest(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """A dataset as shards: ``shards`` are what leases take; ``validation`` (``sharded``
+    only) are held-out shards no lease ever names, which built-in workloads validate on;
+    ``tokenizer`` says how the token ids of a text dataset were made.
+
+    The fields added after the first version (``validation``, ``tokenizer``) are left out
+    of the encoding while they hold their defaults, so a manifest without them encodes (and
+    hashes) as it did before they existed; ``kind`` is always encoded (its default is
+    filled in after construction)."""
+
+    name: str
+    shards: tuple[ShardInfo, ...]
+    #: Given as "" (or left out), it becomes ``indexed``.
+    kind: str = ""
+    validation: tuple[ShardInfo, ...] = ()
+    tokenizer: TokenizerSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            msgspec.structs.force_setattr(self, "kind", "indexed")
         rules.check_name("dataset.name", self.name)
         rules.check_count("dataset.shards", self.shards, 1, MAX_SHARDS)
         rules.check_sorted_unique("dataset.shards", [s.name for s in self.shards])
         rules.check_choice("dataset.kind", self.kind, DATA_KINDS)
+        rules.check_count("dataset.validation", self.validation, 0, MAX_SHARDS)
+        rules.check_sorted_unique("dataset.validation", [s.name for s in self.validation])
+        if self.validation and self.kind != "sharded":
+            raise InvalidRecord(
+                "dataset.validation", "only a sharded dataset (prepared shard files) has one"
+            )
+        both = {s.name for s in self.shards} & {s.name for s in self.validation}
+        if both:
+            raise InvalidRecord(
+                "dataset.validation",
+                f"shard {min(both)!r} is both a training and a validation shard",
+            )
         if self.kind == "sharded":
-            for shard in self.shards:
+            for shard in (*self.shards, *self.validation):
                 if shard.bytes < 1:
                     raise InvalidRecord(
                         "dataset.shards.bytes",
@@ -187,12 +267,22 @@ class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     @property
     def total_bytes(self) -> int:
-        """The size of every shard file (0 unless the dataset is ``sharded``)."""
+        """The size of every training shard file (0 unless the dataset is ``sharded``)."""
         return sum(s.bytes for s in self.shards)
 
     @property
     def total_samples(self) -> int:
+        """The training samples (the validation shards' are not counted)."""
         return sum(s.samples for s in self.shards)
+
+    @property
+    def validation_samples(self) -> int:
+        return sum(s.samples for s in self.validation)
+
+    @property
+    def all_shards(self) -> tuple[ShardInfo, ...]:
+        """The training shards, then the validation shards."""
+        return (*self.shards, *self.validation)
 
 
 class InnerOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -12,6 +12,8 @@ baseline do not depend on where the bytes come from. The four kinds differ in wh
 * ``sharded`` -- shard files made by ``p2ptrain data prepare`` (:mod:`.prepare`), each one blob
   named by its hash; a trainer holds only the shards its leases need (a node's shard cache
   fetches them first) and :meth:`ShardedData.view` reads them where ``locate`` finds them.
+  The held-out validation shards (``--val-fraction``), which no lease names, are read the
+  same way by :meth:`ShardedData.validation_view`.
 * ``generated`` -- samples made from their index and the experiment's seed: nothing moves.
 * ``custom`` -- a callback given the lease returns its samples (:meth:`DataPipeline.begin_lease`).
 
@@ -42,6 +44,7 @@ __all__ = [
     "DataPipeline",
     "GeneratedData",
     "IndexedData",
+    "ShardMissing",
     "ShardedData",
     "as_pipeline",
 ]
@@ -129,13 +132,18 @@ class _ShardedView:
     finds (the few most recently read shards stay open)."""
 
     def __init__(
-        self, manifest: DatasetManifest, locate: Callable[[ShardInfo], Path | None]
+        self,
+        manifest: DatasetManifest,
+        locate: Callable[[ShardInfo], Path | None],
+        shards: tuple[ShardInfo, ...] | None = None,
     ) -> None:
         self.manifest = manifest
         self.locate = locate
+        #: The shards viewed, in index order (default: the training shards).
+        self.shards = manifest.shards if shards is None else shards
         self.starts: list[int] = []
         total = 0
-        for shard in manifest.shards:
+        for shard in self.shards:
             self.starts.append(total)
             total += shard.samples
         self.total = total
@@ -148,7 +156,7 @@ class _ShardedView:
         if not 0 <= index < self.total:
             raise IndexError(f"sample {index} is outside 0..{self.total - 1}")
         position = bisect.bisect_right(self.starts, index) - 1
-        shard = self.manifest.shards[position]
+        shard = self.shards[position]
         rows = self.rows(shard)
         return rows[index - self.starts[position]]
 
@@ -159,10 +167,7 @@ class _ShardedView:
             return rows
         path = self.locate(shard)
         if path is None:
-            raise LocalError(
-                f"shard {shard.name} (blob {shard.blob_id[:12]}) is not on this machine; a "
-                "trainer fetches the shards of its lease before training"
-            )
+            raise ShardMissing(shard)
         opened = open_shard(path, shard=shard.name)
         if len(opened) != shard.samples:
             raise LocalError(
@@ -178,6 +183,18 @@ class _ShardedView:
         """Close the shards named (their files are about to be deleted)."""
         for name in names:
             self._open.pop(name, None)
+
+
+class ShardMissing(LocalError):
+    """A shard of a prepared dataset is not on this machine (yet)."""
+
+    def __init__(self, shard: ShardInfo) -> None:
+        super().__init__(
+            f"shard {shard.name} (blob {shard.blob_id[:12]}) is not on this machine; a "
+            "trainer fetches the shards of its lease before training, an evaluator the "
+            "validation shards before evaluating"
+        )
+        self.shard = shard
 
 
 class ShardedData:
@@ -201,6 +218,9 @@ class ShardedData:
         self.manifest = manifest
         self.location = location
         self._view = _ShardedView(manifest, locate)
+        self._validation = (
+            _ShardedView(manifest, locate, manifest.validation) if manifest.validation else None
+        )
 
     def dataset_manifest(self) -> DatasetManifest:
         return self.manifest
@@ -216,11 +236,18 @@ class ShardedData:
     def view(self) -> MapDataset:
         return self._view
 
+    def validation_view(self) -> MapDataset | None:
+        """The validation split's samples by index (its shards in manifest order), or None
+        when the dataset has none."""
+        return self._validation
+
     def begin_lease(self, lease: Lease) -> None:
         return None
 
     def forget(self, names: set[str]) -> None:
         self._view.forget(names)
+        if self._validation is not None:
+            self._validation.forget(names)
 
 
 def _content_id(*parts: object) -> str:

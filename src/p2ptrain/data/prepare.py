@@ -4,12 +4,17 @@
 into shards (:mod:`p2ptrain.data.shard_cut`), writes each as a shard file
 (:mod:`p2ptrain.data.shard_format`) and describes them in ``out/dataset.json``::
 
-    out/dataset.json                    format, manifest, files, descriptor
-    out/shards/<name>-00000.safetensors one file per shard, in manifest order
+    out/dataset.json                        format, manifest, files, descriptor
+    out/shards/<name>-00000.safetensors     one file per shard, in manifest order
+    out/shards/<name>-val-00000.safetensors the validation split's shards (--val-fraction)
 
 The manifest is a ``sharded`` :class:`~p2ptrain.core.manifests.DatasetManifest`: shard ``i``
 is named ``f"{name}-{i:05d}"``, its ``blob_id`` is the SHA-256 of its file and ``bytes`` the
-file's size, so a trainer that fetches a shard by hash gets exactly this file.
+file's size, so a trainer that fetches a shard by hash gets exactly this file. With
+``val_fraction`` a validation split is held out (:mod:`p2ptrain.data.holdout`) into the
+manifest's ``validation`` shards, ``f"{name}-val-{i:05d}"``, which no lease names; a text
+dataset's manifest records its tokenizer (``tokenizer``: kind, vocabulary size, the
+characters of a ``chars`` vocabulary, tokens per row).
 
 Crash safety (:mod:`p2ptrain.data.staging`): everything is written and fsynced in a
 temporary sibling directory, ``dataset.json`` last, which is then renamed to ``out``: ``out``
@@ -19,22 +24,24 @@ is the complete dataset or absent, never half of one.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from p2ptrain.core.field_rules import MAX_NAME_CHARS, check_name, name_from
-from p2ptrain.core.manifests import MAX_SHARD_BYTES, MAX_SHARDS, DatasetManifest, ShardInfo
-from p2ptrain.data.shard_cut import Batch, Signature, cut_shards
-from p2ptrain.data.shard_format import encode_columns
-from p2ptrain.data.sources import OpenedSource, SourceOptions, open_source
+from p2ptrain.core.manifests import (
+    MAX_SHARD_BYTES,
+    MAX_SHARDS,
+    DatasetManifest,
+    ShardInfo,
+    TokenizerSpec,
+)
 from p2ptrain.data.staging import (
     check_target,
     fsync_directory,
@@ -43,6 +50,11 @@ from p2ptrain.data.staging import (
     write_synced,
 )
 from p2ptrain.errors import InvalidRecord, LocalError
+
+if TYPE_CHECKING:  # preparing imports these (numpy, torch); reading a dataset needs neither
+    from p2ptrain.data.shard_cut import Batch, Signature
+    from p2ptrain.data.sources import OpenedSource
+    from p2ptrain.data.tokenizers import TextStats
 
 __all__ = [
     "DATASET_FORMAT",
@@ -58,6 +70,7 @@ DATASET_FORMAT = "p2ptrain-dataset/1"
 DEFAULT_SHARD_BYTES = 16 << 20
 MAX_DATASET_JSON_BYTES = 64 << 20
 _SUFFIX_CHARS = 6  # "-00000"
+_VAL_SUFFIX = "-val"
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,8 @@ class PreparedDataset:
             "shards": len(self.manifest.shards),
             "samples": self.manifest.total_samples,
             "bytes": self.manifest.total_bytes,
+            "validation_shards": len(self.manifest.validation),
+            "validation_samples": self.manifest.validation_samples,
             "location": str(self.path),
         }
 
@@ -152,7 +167,7 @@ def read_prepared(path: str | os.PathLike[str], *, verify: bool = False) -> Prep
             f"{index}: the manifest's kind is {manifest.kind!r}, not 'sharded'; {damaged}"
         )
     files = {}
-    for shard in manifest.shards:
+    for shard in manifest.all_shards:
         relative = document.files.get(shard.name)
         parts = PurePosixPath(relative).parts if relative else ()
         if not parts or PurePosixPath(relative or "").is_absolute() or ".." in parts:
@@ -161,7 +176,7 @@ def read_prepared(path: str | os.PathLike[str], *, verify: bool = False) -> Prep
     extra = sorted(set(document.files) - set(files))
     if extra:
         raise LocalError(f"{index}: the file of {extra[0]!r:.100} belongs to no shard; {damaged}")
-    for shard in manifest.shards:
+    for shard in manifest.all_shards:
         _check_file(root, shard, files[shard.name], verify=verify, damaged=damaged)
     return PreparedDataset(root.absolute(), manifest, files, document.descriptor)
 
@@ -200,17 +215,25 @@ class _ShardWriter:
     """Writes shard files into ``root/shards`` and keeps their manifest entries."""
 
     def __init__(
-        self, root: Path, name: str, on_progress: Callable[[PrepareProgress], None] | None
+        self,
+        root: Path,
+        name: str,
+        on_progress: Callable[[PrepareProgress], None] | None,
+        before: PrepareProgress = PrepareProgress(0, 0, 0),
     ) -> None:
         self.root = root
         self.name = name
         self.on_progress = on_progress
+        #: What writers before this one wrote (its progress reports add to it).
+        self.before = before
         self.shards: list[ShardInfo] = []
         self.files: dict[str, str] = {}
         self.samples = 0
         self.bytes = 0
 
     def write(self, batch: Batch) -> None:
+        from p2ptrain.data.shard_format import encode_columns
+
         index = len(self.shards)
         if index >= MAX_SHARDS:
             raise LocalError(
@@ -242,7 +265,17 @@ class _ShardWriter:
         self.samples += len(batch)
         self.bytes += encoded.size
         if self.on_progress is not None:
-            self.on_progress(PrepareProgress(len(self.shards), self.samples, self.bytes))
+            before = self.before
+            self.on_progress(
+                PrepareProgress(
+                    before.shards + len(self.shards),
+                    before.samples + self.samples,
+                    before.bytes + self.bytes,
+                )
+            )
+
+    def progress(self) -> PrepareProgress:
+        return PrepareProgress(len(self.shards), self.samples, self.bytes)
 
 
 def prepare_dataset(
@@ -259,6 +292,7 @@ def prepare_dataset(
     column: str | None = None,
     overwrite: bool = False,
     on_progress: Callable[[PrepareProgress], None] | None = None,
+    val_fraction: float | None = None,
 ) -> PreparedDataset:
     """Prepare ``source`` (a path or a Python dataset, see docs/data.md) into ``out``.
 
@@ -266,8 +300,13 @@ def prepare_dataset(
     ``shard_bytes`` (at their size as stored: about the file's size). ``block_size``,
     ``tokenizer`` (``bytes``, ``chars`` or a Hugging Face tokenizer directory) and
     ``text_field`` are for text, ``split`` for a Hugging Face DatasetDict, ``column`` names
-    the column of ``.npy`` rows (``input_ids``). ``out`` must not exist unless
-    ``overwrite``; it appears complete or not at all."""
+    the column of ``.npy`` rows (``input_ids``). ``val_fraction`` holds that fraction of the
+    rows out as the validation split (:mod:`p2ptrain.data.holdout`). ``out`` must not exist
+    unless ``overwrite``; it appears complete or not at all."""
+    from p2ptrain.data.holdout import HoldOut
+    from p2ptrain.data.shard_cut import cut_shards, merge_signature
+    from p2ptrain.data.sources import SourceOptions, open_source
+
     target = Path(os.path.abspath(out))
     if samples_per_shard is not None and samples_per_shard < 1:
         raise LocalError(f"--samples-per-shard {samples_per_shard}: use 1 or more")
@@ -278,28 +317,58 @@ def prepare_dataset(
         )
     if block_size is not None and block_size < 1:
         raise LocalError(f"--block-size {block_size}: use 1 or more tokens")
+    holdout = None if val_fraction is None else HoldOut(val_fraction)
     check_target(target, overwrite)
     options = SourceOptions(block_size, tokenizer, text_field, split, column)
     opened = open_source(source, options)
-    dataset_name = _dataset_name(name, opened.default_name or target.name)
+    suffix = "" if holdout is None else _VAL_SUFFIX
+    dataset_name = _dataset_name(name, opened.default_name or target.name, len(suffix))
     temporary = staging_directory(target)
     try:
         (temporary / "shards").mkdir()
         writer = _ShardWriter(temporary, dataset_name, on_progress)
+        val_writer = None
         signature: Signature | None = None
+        batches = opened.batches if holdout is None else holdout.training(opened.batches)
         for shard, seen in cut_shards(
-            opened.batches, samples_per_shard=samples_per_shard, shard_bytes=shard_bytes
+            batches, samples_per_shard=samples_per_shard, shard_bytes=shard_bytes
         ):
             writer.write(shard)
             signature = seen
         if signature is None:
             raise LocalError(_empty(opened))
-        manifest = DatasetManifest(name=dataset_name, shards=tuple(writer.shards), kind="sharded")
-        descriptor = _descriptor(opened, signature, writer, samples_per_shard, shard_bytes)
+        if holdout is not None:
+            holdout.check(writer.samples)
+            val_writer = _ShardWriter(
+                temporary, dataset_name + suffix, on_progress, writer.progress()
+            )
+            for held in holdout.held:
+                signature = merge_signature(signature, held)
+            for shard, _ in cut_shards(
+                holdout.held, samples_per_shard=samples_per_shard, shard_bytes=shard_bytes
+            ):
+                val_writer.write(shard)
+        manifest = DatasetManifest(
+            name=dataset_name,
+            shards=tuple(writer.shards),
+            kind="sharded",
+            validation=() if val_writer is None else tuple(val_writer.shards),
+            tokenizer=_tokenizer_spec(opened.text),
+        )
+        descriptor = _descriptor(
+            opened,
+            signature,
+            writer,
+            samples_per_shard=samples_per_shard,
+            shard_bytes=shard_bytes,
+            val_writer=val_writer,
+            val_fraction=val_fraction,
+        )
+        files = {**writer.files, **({} if val_writer is None else val_writer.files)}
         document = {
             "format": DATASET_FORMAT,
             "manifest": msgspec.to_builtins(manifest),
-            "files": writer.files,
+            "files": files,
             "descriptor": descriptor,
         }
         write_synced(temporary / "dataset.json", json.dumps(document, indent=1).encode() + b"\n")
@@ -309,8 +378,8 @@ def prepare_dataset(
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    files = {shard: target / relative for shard, relative in writer.files.items()}
-    return PreparedDataset(target, manifest, files, descriptor)
+    paths = {shard: target / relative for shard, relative in files.items()}
+    return PreparedDataset(target, manifest, paths, descriptor)
 
 
 def _empty(opened: OpenedSource) -> str:
@@ -322,12 +391,31 @@ def _empty(opened: OpenedSource) -> str:
     return "the source has no rows; there is nothing to prepare"
 
 
+def _tokenizer_spec(text: TextStats | None) -> TokenizerSpec | None:
+    """What the manifest records of a text dataset's tokenizer (None: not text)."""
+    if text is None:
+        return None
+    said = text.tokenizer
+    kind, size = str(said["kind"]), said["vocab_size"]
+    assert isinstance(size, int)
+    return TokenizerSpec(
+        kind=kind,
+        vocab_size=size,
+        block_size=text.block_size,
+        vocab=str(said.get("vocab", "")) if kind == "chars" else "",
+        name=str(said.get("class", "")),
+    )
+
+
 def _descriptor(
     opened: OpenedSource,
     signature: Signature,
     writer: _ShardWriter,
+    *,
     samples_per_shard: int | None,
     shard_bytes: int,
+    val_writer: _ShardWriter | None,
+    val_fraction: float | None,
 ) -> dict[str, object]:
     text = opened.text
     return {
@@ -342,6 +430,8 @@ def _descriptor(
         "tokens": None if text is None else text.tokens,
         "dropped_tokens": None if text is None else text.dropped_tokens,
         "documents": None if text is None or not text.documents else text.documents,
+        "val_fraction": val_fraction,
+        "validation_samples": 0 if val_writer is None else val_writer.samples,
         "created_by": f"p2ptrain {_version()}",
     }
 
@@ -349,14 +439,16 @@ def _descriptor(
 def _version() -> str:
     # The installed distribution's: importing the p2ptrain package itself would pull the
     # node layer (its lazy Trainer API) into the data layer's imports.
+    import importlib.metadata  # not on import: `p2ptrain --help` reads this module
+
     try:
         return importlib.metadata.version("p2ptrain")
     except importlib.metadata.PackageNotFoundError:
         return "(not installed)"
 
 
-def _dataset_name(name: str | None, default: str) -> str:
-    limit = MAX_NAME_CHARS - _SUFFIX_CHARS
+def _dataset_name(name: str | None, default: str, extra_chars: int) -> str:
+    limit = MAX_NAME_CHARS - _SUFFIX_CHARS - extra_chars
     if name is None:
         return name_from(default, limit=limit, fallback="dataset")
     try:

@@ -27,6 +27,7 @@ from p2ptrain.core.envelope import Envelope, Signed, verify_envelope
 from p2ptrain.core.records import Head, PeerRecord
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.auth import NONCE_TTL_MS, SERVER_HEADER, ClientCredentials, nonce_from_challenge
+from p2ptrain.net.failure_text import transport_reason
 
 __all__ = [
     "BLOB_ID_HEADER",
@@ -183,7 +184,7 @@ class PeerClient:
                     allow_redirects=False,
                 )
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                raise TransportError(f"{method} {url} failed: {exc!r}") from exc
+                raise TransportError(f"{method} {url} failed: {transport_reason(exc)}") from exc
             try:
                 challenge = response.headers.get("WWW-Authenticate")
                 retry = response.status == 401 and attempt == 0 and data is None
@@ -298,7 +299,9 @@ class PeerClient:
                     continue
                 raise Refused(address, exc.status, exc.message) from exc
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                raise TransportError(f"cannot open a socket to {address}: {exc!r}") from exc
+                raise TransportError(
+                    f"cannot open a socket to {address}: {transport_reason(exc)}"
+                ) from exc
             break
         try:
             peer_id = self.credentials.check_server(ws._response.headers.get(SERVER_HEADER), cnonce)
@@ -323,7 +326,7 @@ async def fetch_network_manifest(address: str, *, timeout_s: float = 30.0) -> by
                 raise TransportError(f"GET {url}: {response.status} {reason}")
             return await _read_limited(response, 1 << 20)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise TransportError(f"cannot reach {address}: {exc!r}") from exc
+        raise TransportError(f"cannot reach {address}: {transport_reason(exc)}") from exc
 
 
 def _is_id(text: str) -> bool:
@@ -345,7 +348,9 @@ async def _read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
             if len(body) > limit:
                 raise ProtocolViolation(f"answer exceeds {limit} bytes")
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:  # stalled or cut off
-        raise TransportError(f"reading the answer of {response.url} failed: {exc!r}") from exc
+        raise TransportError(
+            f"reading the answer of {response.url} failed: {transport_reason(exc)}"
+        ) from exc
     return bytes(body)
 
 

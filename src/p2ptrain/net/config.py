@@ -22,6 +22,9 @@ class NetConfig:
     host: str | None = "127.0.0.1"
     #: 0 lets the kernel pick a free port (tests, local networks).
     port: int = 0
+    #: With ``port`` 0: a port to try first (the one a restarted node listened on before,
+    #: so that its peers' bootstrap addresses stay right); a free one when it is taken.
+    preferred_port: int = 0
     #: Addresses other peers should dial, when they differ from ``http://host:port``; one
     #: that names no port gets the port we listen on (useful with ``port=0``).
     advertise: tuple[str, ...] = ()
@@ -77,6 +80,7 @@ class NetConfig:
 
     def __post_init__(self) -> None:
         _check("port", self.port, 0, 65535)
+        _check("preferred_port", self.preferred_port, 0, 65535)
         _check("max_outbound", self.max_outbound, 0, 1024)
         _check("max_inbound", self.max_inbound, 0, 4096)
         _check("max_frame_bytes", self.max_frame_bytes, 4096, 1 << 30)

@@ -148,6 +148,11 @@ class NetNode:
         self._opened = 0
         self._lan: Any = None
         self._gossip_in = 0
+        #: peer id -> when a new record of it last reached us (its presence; bounded by the
+        #: peer book, which only keeps verified records)
+        self._heard_at: dict[str, float] = {}
+        #: Whether a bootstrap was linked when last looked at (None: none was ever linked).
+        self._bootstrap_linked: bool | None = None
         #: Set before start: told of each blob served (``sent``) or pushed here
         #: (``received``), with its id and bytes.
         self.on_blob_bytes: Callable[[str, str, int], None] = lambda *_: None
@@ -202,6 +207,7 @@ class NetNode:
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self._discover_forever(), name="discovery")
+            group.create_task(self._announce_forever(), name="presence")
             started.set()
             await self._stopping.wait()
             raise asyncio.CancelledError
@@ -235,8 +241,16 @@ class NetNode:
             self._server.application(), access_log=None, handle_signals=False
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, self.config.port, ssl_context=context)
-        await site.start()
+        port = self.config.port or self.config.preferred_port
+        site = web.TCPSite(self._runner, host, port, ssl_context=context)
+        try:
+            await site.start()
+        except OSError as exc:
+            if self.config.port or not port:
+                raise
+            logger.info("port %d of the last run is taken (%s): listening on a free one", port, exc)
+            site = web.TCPSite(self._runner, host, 0, ssl_context=context)
+            await site.start()
         self.port = int(self._runner.addresses[0][1])
         scheme = "https" if context else "http"
         self.address = f"{scheme}://{host}:{self.port}{self._pin()}"
@@ -315,8 +329,30 @@ class NetNode:
         return None
 
     def _on_peer_record(self, message: Delivered) -> None:
-        if isinstance(message.record, Signed) and isinstance(message.record.record, PeerRecord):
-            self.peers.add(message.record)
+        signed = message.record
+        if (
+            isinstance(signed, Signed)
+            and isinstance(signed.record, PeerRecord)
+            and self.peers.add(signed)
+        ):
+            self._heard_at[signed.record.peer_id] = time.monotonic()
+
+    async def _announce_forever(self) -> None:
+        """Every ``heartbeat_s``, sign our record anew and gossip it: our presence, by which
+        the peers we are not connected to know we are alive (a reducer waits for the live
+        trainers, not for the gone)."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s * (0.9 + self._rng.random() / 5))
+            self._record = self._sign_record()
+            self.publish(network_topic(self.network_id), "peer", self._record.envelope.encode())
+
+    def last_heard(self, peer_id: str, now: float) -> float | None:
+        """When ``peer_id`` was last heard from: ``now`` while a connection to it is open,
+        else when its newest record reached us (None: never)."""
+        connection = self.gossip.connections.get(peer_id)
+        if connection is not None and not connection.closed:
+            return now
+        return self._heard_at.get(peer_id)
 
     # -- connections ----------------------------------------------------------------------
 
@@ -405,6 +441,9 @@ class NetNode:
             if self.gossip.connections.get(connection.peer_id) is connection:
                 del self.gossip.connections[connection.peer_id]
             self.relay.disconnected(connection.peer_id)
+            if self.config.bootstrap and not self._stopping.is_set():
+                bootstraps = {self._peer_at.get(a) for a in self.config.bootstrap}
+                self._say_bootstraps(any(p in self.gossip.connections for p in bootstraps))
 
     async def _read(
         self, connection: PeerConnection, group: asyncio.TaskGroup, relays: asyncio.Semaphore
@@ -474,6 +513,7 @@ class NetNode:
 
         room = self.config.max_outbound - self._count(outbound=True)
         seeds = [a for a in self.config.bootstrap if not linked(a)]
+        self._say_bootstraps(len(seeds) < len(self.config.bootstrap))
         # A relayed node keeps its relay connection whatever its room.
         relay = (
             [self.relay_address] if self.relay_address and not linked(self.relay_address) else []
@@ -499,6 +539,26 @@ class NetNode:
         dial += [a for a in relay if self._may_dial(a, now) and a not in dial]
         if dial:
             await asyncio.gather(*(self._dial(a) for a in dial))
+
+    def _say_bootstraps(self, linked: bool) -> None:
+        """Say once when every bootstrap is lost, and once when one is back (before the
+        first link, the join says what is wrong)."""
+        was = self._bootstrap_linked
+        if not self.config.bootstrap or linked == was or (was is None and not linked):
+            return
+        self._bootstrap_linked = linked
+        if was is None:
+            return
+        if linked:
+            logger.warning("a bootstrap is reachable again; back in touch with the network")
+            return
+        others = sum(1 for c in self.gossip.connections.values() if not c.closed)
+        logger.warning(
+            "lost every bootstrap (%s); going on with %d other peer connection(s) and dialing "
+            "the bootstraps again (check that the seed is running)",
+            ", ".join(self.config.bootstrap),
+            others,
+        )
 
     def _may_dial(self, address: str, now: float) -> bool:
         _failures, until = self._failures.get(address, (0, 0.0))

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 from p2ptrain.net.client import PeerClient, Refused
+from p2ptrain.net.failure_text import transport_reason
 from p2ptrain.net.partial_file import pwrite_all
 from p2ptrain.net.range_answer import (
     MAX_HEAD_BYTES,
@@ -182,7 +183,7 @@ class _RangeProtocol(asyncio.BufferedProtocol):
         return False  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail_all(None, "broke off" if exc is None else f"broke off ({exc!r})")
+        self._fail_all(None, "broke off" if exc is None else f"broke off ({transport_reason(exc)})")
         self._transport = None
         if not self.closed.done():
             self.closed.set_result(None)
@@ -466,7 +467,9 @@ class RangeReader:
                 f"cannot connect to {self.address} within {self._timeout_s:g}s"
             ) from None
         except OSError as exc:
-            raise TransportError(f"cannot connect to {self.address}: {exc!r}") from exc
+            raise TransportError(
+                f"cannot connect to {self.address}: {transport_reason(exc)}"
+            ) from exc
         self._connections += 1
         self._protocol = protocol
         return protocol, False

@@ -56,6 +56,7 @@ import aiohttp
 from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 from p2ptrain.net.chunk_plan import ChunkPlan, Piece, Reconciliation, Span
 from p2ptrain.net.client import PeerClient
+from p2ptrain.net.failure_text import transport_reason
 from p2ptrain.net.partial_file import (
     HASH_STEP_BYTES,
     PARTIAL_DIR,
@@ -609,7 +610,9 @@ class BlobFetcher:
                 f"{provider} sent nothing for {timeout_s:g}s (at byte {position} of {start}-{end})"
             ) from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise TransportError(f"{provider} broke off at byte {position}: {exc!r}") from exc
+            raise TransportError(
+                f"{provider} broke off at byte {position}: {transport_reason(exc)}"
+            ) from exc
 
     async def _probe_size(
         self, blob_id: str, addresses: list[str]

@@ -1,16 +1,26 @@
-"""The running node: a thin shell, one runner per role, the Trainer API."""
+"""The running node: a thin shell, one runner per role, the Trainer API.
+
+The names below are imported when first asked for: the command line reads
+:mod:`p2ptrain.node.status` and :mod:`p2ptrain.node.events` (plain records) without loading
+torch or the node's runtime.
+"""
 
 from __future__ import annotations
 
-from p2ptrain.node.events import NodeEvent
-from p2ptrain.node.failures import RoleFailed
-from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.services import experiment_topic
-from p2ptrain.node.setup import ROLES, NodeSettings, Prepared, prepare
-from p2ptrain.node.shell import Node
-from p2ptrain.node.status import NodeStatus
-from p2ptrain.node.trainer_api import Trainer, WindowOutcome
-from p2ptrain.node.trainer_runner import window_seed
+from typing import TYPE_CHECKING
+
+from p2ptrain.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from p2ptrain.node.events import NodeEvent
+    from p2ptrain.node.failures import RoleFailed
+    from p2ptrain.node.persist import NodeStore
+    from p2ptrain.node.services import experiment_topic
+    from p2ptrain.node.setup import ROLES, NodeSettings, Prepared, prepare
+    from p2ptrain.node.shell import Node
+    from p2ptrain.node.status import NodeStatus
+    from p2ptrain.node.trainer_api import Trainer, WindowOutcome
+    from p2ptrain.node.trainer_runner import window_seed
 
 __all__ = [
     "ROLES",
@@ -27,3 +37,23 @@ __all__ = [
     "prepare",
     "window_seed",
 ]
+
+#: Where each name of ``__all__`` is defined.
+_MODULE_OF = {
+    "NodeEvent": "events",
+    "RoleFailed": "failures",
+    "NodeStore": "persist",
+    "experiment_topic": "services",
+    "ROLES": "setup",
+    "NodeSettings": "setup",
+    "Prepared": "setup",
+    "prepare": "setup",
+    "Node": "shell",
+    "NodeStatus": "status",
+    "Trainer": "trainer_api",
+    "WindowOutcome": "trainer_api",
+    "window_seed": "trainer_runner",
+}
+
+
+__getattr__ = lazy_exports(__name__, _MODULE_OF)

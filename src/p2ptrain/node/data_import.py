@@ -2,7 +2,8 @@
 
 A seed imports the dataset its experiment definition names (``[data] prepared = "DIR"``) and
 any node run with ``--data DIR`` imports that one; trainers then fetch the shards their
-leases name from them, and from each other, with the blob transfer (verified by hash). Each
+leases name from them, and from each other, with the blob transfer (verified by hash), and
+evaluators fetch the validation split's shards the same way. Each
 file is hashed as it is copied: one that changed since ``p2ptrain data prepare`` wrote it is
 refused by name, so a node never serves a shard under a hash it does not have.
 """
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
-from p2ptrain.core.manifests import DatasetManifest
+from p2ptrain.core.manifests import DatasetManifest, ShardInfo
+from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import PreparedDataset
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.store.blobs import BlobStore
+from p2ptrain.torch.workload import Workload
 
-__all__ = ["import_prepared"]
+__all__ = ["attach_validation", "import_prepared"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ def import_prepared(
         )
     started = time.monotonic()
     copied = 0
-    for shard in prepared.manifest.shards:
+    for shard in prepared.manifest.all_shards:  # the validation split's too
         if blobs.has(shard.blob_id):
             continue
         path = prepared.shard_path(shard.name)
@@ -59,3 +63,20 @@ def import_prepared(
             time.monotonic() - started,
         )
     return copied
+
+
+def attach_validation(workload: Workload, dataset: DatasetManifest, blobs: BlobStore) -> str | None:
+    """Give a workload that validates on the prepared data's split (``val_from_data``, the
+    built-in language models on prepared text) the experiment's shards as ``blobs`` holds
+    them (an evaluator fetches the validation shards it lacks before it evaluates); return
+    why the workload has no validation data (None: it has some)."""
+    if getattr(workload, "val_from_data", False) and dataset.kind == "sharded":
+        use_data = getattr(workload, "use_data", None)
+        if callable(use_data):
+
+            def locate(shard: ShardInfo) -> Path | None:
+                return blobs.path(shard.blob_id) if blobs.has(shard.blob_id) else None
+
+            use_data(ShardedData(dataset, locate, location=str(blobs.root)))
+    missing = getattr(workload, "validation_missing", None)
+    return missing if isinstance(missing, str) and missing else None

@@ -3,7 +3,8 @@
 A node started with ``--evaluate`` holds a :class:`HeadEvaluator` beside its roles, with a
 workload of its own (built from the experiment manifest; never a trainer's, whose model it
 would overwrite). Each head the node adopts is offered to it; it evaluates the head's weights
-on the validation data in a worker thread (the event loop keeps answering the network), then
+on the validation data in a worker thread (the event loop keeps answering the network;
+a prepared dataset's validation shards are fetched first, like any blob), then
 signs a :class:`~p2ptrain.core.records.MetricsReport` and gossips it on the experiment's
 topic (gossip hands it back to the node, which stores it like anyone's). A report never
 enters a head id.
@@ -149,6 +150,7 @@ class HeadEvaluator:
             )
             self.skipped += skipped
         self.last_reason = f"evaluating head {offer.height}"
+        await self._validation_shards()
         started = time.monotonic()
         loss, perplexity, samples = await asyncio.to_thread(self._evaluate_blob, offer)
         seconds = round(time.monotonic() - started, 3)
@@ -180,6 +182,14 @@ class HeadEvaluator:
                 skipped=skipped,
             )
         )
+
+    async def _validation_shards(self) -> None:
+        """Fetch the prepared validation shards this node lacks (each verified by its
+        hash), for a workload that validates on the prepared data's split."""
+        if not getattr(self.workload, "val_from_data", False):
+            return
+        for shard in self.manifest.dataset.validation:
+            await self.services.download(shard.blob_id, size=shard.bytes, kind="shard")
 
     def _evaluate_blob(self, offer: _Offer) -> tuple[float, float | None, int]:
         """In a worker thread: the head's weights from the store, evaluated."""

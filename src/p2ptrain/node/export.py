@@ -240,13 +240,27 @@ def evaluate_stored_head(
 ) -> dict[str, Any]:
     """Evaluate the head ``head_id`` (default: the tip) of the verified stored chain with the
     experiment's workload, beside the stored metrics reports of that head."""
+    from p2ptrain.node.data_import import attach_validation
     from p2ptrain.node.evaluator import evaluate_head
     from p2ptrain.node.workload_check import experiment_workload
 
     head = verified_head(data_dir, head_id)
     torch.set_num_threads(threads)
     built = experiment_workload(head.manifest, workload)
-    loss, perplexity, samples = evaluate_head(built, head.weights)
+    dataset = head.manifest.dataset
+    with DataDir(data_dir) as datadir:
+        missing = attach_validation(built, dataset, datadir.blobs)
+        if missing:
+            raise LocalError(f"{data_dir}: no validation loss: {missing}")
+        absent = [s.name for s in dataset.validation if not datadir.blobs.has(s.blob_id)]
+        if getattr(built, "val_from_data", False) and absent:
+            raise LocalError(
+                f"{data_dir} does not hold the validation shards {', '.join(absent[:3])}"
+                f"{' ...' if len(absent) > 3 else ''} of the prepared dataset: run p2ptrain "
+                "evaluate on the data directory of a node that evaluates (--evaluate) or "
+                "serves the data (the seed, or a node run with --data DIR)"
+            )
+        loss, perplexity, samples = evaluate_head(built, head.weights)
     reports = [
         {
             "evaluator": report.evaluator.hex(),

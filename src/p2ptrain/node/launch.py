@@ -24,7 +24,7 @@ from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import read_prepared
 from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
-from p2ptrain.node.data_import import import_prepared
+from p2ptrain.node.data_import import attach_validation, import_prepared
 from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings, prepare
@@ -98,6 +98,10 @@ async def serve(
         # the evaluator's own workload (a trainer's model is busy training); a node that
         # does not evaluate builds none, and needs no model code
         evaluating = experiment_workload(manifest, settings.workload) if settings.evaluate else None
+        if evaluating is not None:
+            missing = attach_validation(evaluating, manifest.dataset, store.blobs)
+            if missing:
+                raise LocalError(f"--evaluate: this node cannot evaluate: {missing}")
         node = Node(
             settings,
             prepared,

@@ -229,7 +229,7 @@ class LocalNetwork:
                 command += ["--bootstrap", address]
             command += ["--experiment", self.experiment_id]
         if windows is not None:
-            command += ["--windows", str(windows)]
+            command += ["--until-height", str(windows)]
         command += list(args)
         log = self.workdir / "logs" / f"{name}.log"
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

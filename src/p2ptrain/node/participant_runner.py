@@ -14,17 +14,21 @@ next tick (at the next slot, or when a record arrives) goes on from the same sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Sequence
 
 from p2ptrain.core.records import Attestation
 from p2ptrain.node.events import Attested, NodeEvent
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
-from p2ptrain.protocol.effects import Publish
+from p2ptrain.protocol.effects import Effect, Publish
 from p2ptrain.protocol.participant import Participant
 
 __all__ = ["ParticipantRunner"]
+
+logger = logging.getLogger(__name__)
 
 
 class ParticipantRunner(RoleRunner):
@@ -40,6 +44,35 @@ class ParticipantRunner(RoleRunner):
     ) -> None:
         role = "validator" if machine.is_validator else "reducer"
         super().__init__(role, machine, services, failures, emit)
+        #: The last waiting line logged (each is logged once, without its countdown).
+        self._waiting = ""
+
+    def reason(self) -> str:
+        return self.machine.catching_up or self.machine.waiting_for(time.monotonic())
+
+    def execute(self, effects: Sequence[Effect]) -> None:
+        super().execute(effects)
+        line = self.machine.waiting_for(time.monotonic(), countdown=False)
+        if line != self._waiting and not self.machine.catching_up:
+            self._waiting = line
+            logger.info("%s: %s", self.role, line)
+
+    def observe(self, now: float) -> None:
+        """Tell the participant when each trainer of the peer book was last heard from (the
+        trainers it still expects to report; see :meth:`Participant.heard_from`)."""
+        machine = self.machine
+        if machine.presence_timeout_s is None:
+            return
+        net = self.services.net
+        if "trainer" in net.roles:  # our own trainer reports through the loop-back
+            machine.heard_from(machine.key, now)
+        for signed in net.peers:
+            record = signed.record
+            if "trainer" not in record.roles:
+                continue
+            when = net.last_heard(record.peer_id, now)
+            if when is not None:
+                machine.heard_from(record.public_key, when)
 
     def published(self, effect: Publish) -> None:
         record = getattr(effect.record, "record", None)

@@ -44,6 +44,7 @@ __all__ = ["METRICS_KIND", "TRAINER_STATE_FILE", "NodeStore", "median_val_loss"]
 TRAINER_STATE_FILE = "trainer-state.safetensors"
 _VOTES = "votes"
 _EXPERIMENT = "experiment"
+_LISTEN_PORT = "listen_port"
 #: The kind of metrics reports, as records and on gossip.
 METRICS_KIND = "metrics"
 _MAX_LINK_BYTES = 1 << 20
@@ -73,6 +74,16 @@ class NodeStore:
                 f"{experiment_id}; use another --dir for another experiment"
             )
         self.state.set_meta(_EXPERIMENT, experiment_id.encode())
+
+    # -- where it listened -----------------------------------------------------------------
+
+    def listen_port(self) -> int:
+        """The port this node listened on last time (0: none recorded)."""
+        raw = self.state.get_meta(_LISTEN_PORT)
+        return int(raw) if raw is not None and raw.isdigit() else 0
+
+    def remember_listen_port(self, port: int) -> None:
+        self.state.set_meta(_LISTEN_PORT, str(port).encode())
 
     # -- certified heads ------------------------------------------------------------------
 

@@ -43,8 +43,10 @@ def role_runners(
     emit: Callable[[NodeEvent], None],
     votes: Mapping[int, str],
     shards: ShardCache | None = None,
+    presence_timeout_s: float | None = None,
 ) -> list[RoleRunner]:
-    """The runners of a node holding ``roles`` (``votes``: a validator's stored votes)."""
+    """The runners of a node holding ``roles`` (``votes``: a validator's stored votes;
+    ``presence_timeout_s``: how long a trainer not heard from is still expected to report)."""
     chosen = set(roles)
     manifest, identity, genesis = prepared.experiment.record, prepared.identity, prepared.genesis
     experiment = prepared.experiment.record_id[:16]
@@ -70,6 +72,7 @@ def role_runners(
             validator=validator,
             reducers=manifest.reducers,
             now=time.monotonic(),
+            presence_timeout_s=presence_timeout_s,
         )
         participant.votes.update(votes)
         runners.append(ParticipantRunner(participant, services, failures, emit))

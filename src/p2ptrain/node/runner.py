@@ -127,10 +127,14 @@ class RoleRunner:
         """The node is up and restored; begin (a trainer trains its first window)."""
         self.execute(self.policy.start(now))
 
+    def reason(self) -> str:
+        """What the role is doing, or why it is stuck, in words (status and dashboard)."""
+        return self.machine.catching_up or self.machine.last_reason
+
     def state(self) -> RoleState:
         return RoleState(
             role=self.role,
-            last_reason=self.machine.catching_up or self.machine.last_reason,
+            last_reason=self.reason(),
             failures_in_a_row=self.failures.in_a_row(self.role),
             statistics=asdict(self.machine.statistics()),
         )
@@ -195,11 +199,16 @@ class RoleRunner:
         article = "an" if message.kind[:1] in ("a", "e", "i", "o", "u") else "a"
         with self.guard(f"handling {article} {message.kind}"):
             now, record = time.monotonic(), message.record
+            self.observe(now)
             if isinstance(record, CertifiedLink):
                 sender = self.services.key_of(message.from_peer)
                 self.execute(self.policy.certificate(now, record.head, record.certificate, sender))
             else:
                 self.execute(self.policy.record(now, record, len(message.data)))
+
+    def observe(self, now: float) -> None:
+        """Tell the machine what the node saw of its peers before it acts (by default:
+        nothing)."""
 
     def offer_links(self, page: ChainPage) -> None:
         """A catch-up page the node's periodic sync fetched: verify and adopt its links,
@@ -221,6 +230,7 @@ class RoleRunner:
                     await self._wake.wait()
             delay = 1.0
             with self.guard("tick"):
+                self.observe(time.monotonic())
                 self.execute(self.policy.tick(time.monotonic()))
                 now = time.monotonic()
                 wakeup = machine.next_wakeup(now)

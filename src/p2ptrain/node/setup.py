@@ -90,8 +90,15 @@ class NodeSettings:
     #: A private network's secret (every request proves it).
     secret: bytes | None = None
     network_name: str = "p2ptrain"
-    #: Stop once the chain reaches this height (None: run until stopped).
+    #: Stop after taking part in this many more certified windows, counted from the height
+    #: the node is at once it has caught up (None: run until stopped).
     windows: int | None = None
+    #: Stop once the chain reaches this height (None: run until stopped).
+    until_height: int | None = None
+    #: A reducer or validator closes a window before its deadline once every trainer it
+    #: expects has reported (False: every window waits for its deadline, for steady window
+    #: lengths and room for trainers it does not expect yet).
+    close_early: bool = True
     #: Torch threads for training and reductions.
     threads: int = 1
     mdns: bool = False
@@ -323,7 +330,9 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     raw = parse_experiment_toml(text)
     data = definition_data(raw, path)
     code = _workload_table(raw, settings.workload, path)
-    workload = make_workload(code, raw["workload"].get("config", {}))
+    workload = make_workload(
+        code, raw["workload"].get("config", {}), dataset=None if data is None else data.manifest
+    )
     genesis = workload.initial_weights()
     genesis_blob = bytes(encode_state_dict(genesis))
     inner_steps = int(raw.get("inner_steps", _MANIFEST_DEFAULTS["inner_steps"]))

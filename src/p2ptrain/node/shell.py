@@ -103,6 +103,9 @@ _EXPERIMENT_KINDS = ("update", "proposal", "attestation", METRICS_KIND, CERTIFIC
 #: The roles that use (and so keep and serve) the window's updates and proposals.
 _PARTICIPANT_ROLES = frozenset({"reducer", "validator"})
 _STATUS_EVERY_S = 2.0
+#: A trainer not heard from for this many heartbeats (it announces itself every heartbeat)
+#: is no longer expected to report: the open window may close without it.
+PRESENCE_HEARTBEATS = 3
 #: After its last window a serving node stays up until no blob was fetched for this long
 #: (peers fetch the last head's weights), and never longer than the maximum.
 _LINGER_QUIET_S = 3.0
@@ -136,8 +139,16 @@ class Node:
         self._on_event = on_event
         self._stop = asyncio.Event()
         self._target_reached = False
+        #: Why the node stopped by itself ('' while running, or stopped from outside).
+        self.stop_reason = ""
+        #: Windows still to take part in (``settings.windows``), and the height at which
+        #: that many were certified here (the node stops once every role adopted it).
+        self._windows_left = settings.windows
+        self._target_height = settings.until_height
         self._stored_height = 0
         self._adopted_height = 0
+        #: The height adopted last (None before the first adoption, restored or not).
+        self._last_height: int | None = None
         self._last_window: LastWindow | None = None
         #: Our own updates by window (a trainer's), until their window is adopted.
         self._published: dict[int, str] = {}
@@ -189,6 +200,9 @@ class Node:
             emit=self._emit,
             votes=store.votes(),
             shards=shards,
+            presence_timeout_s=(
+                PRESENCE_HEARTBEATS * settings.heartbeat_s if settings.close_early else None
+            ),
         )
         #: The metrics reports of recent certified heads (what is stored is in the store).
         self.metrics: MetricsBook[Signed[MetricsReport]] = MetricsBook()
@@ -232,6 +246,9 @@ class Node:
             bootstrap=s.bootstrap,
             mdns=s.mdns,
             heartbeat_s=s.heartbeat_s,
+            # a restarted node keeps its address when it can (seeds above all: every
+            # peer's bootstrap names it)
+            preferred_port=self.store.listen_port() if s.host is not None else 0,
         )
         torch.set_num_threads(max(1, s.threads))
         net = NetNode(
@@ -256,6 +273,8 @@ class Node:
         dashboard = Dashboard(self.dashboard_snapshot)
         net.extra_routes = dashboard.routes()
         async with net, self._metrics_listener(), _closed_after(dashboard):
+            if s.host is not None and s.port == 0:
+                self.store.remember_listen_port(net.port)
             net.serve_chain(self._serving().machine.chain)
             net.gossip.subscribe(self.services.topic, self._on_message, self._check_message)
             self._restore()
@@ -269,7 +288,7 @@ class Node:
                     metrics_address=self.metrics_address,
                 )
             )
-            self._check_target()
+            self._check_target(at_start=True)
             await self._run_roles()
             if self._target_reached and self._failed is None:
                 await self._linger()
@@ -332,6 +351,7 @@ class Node:
                     )
                 runner.execute(runner.policy.carry(now, actions))
             logger.info("resumed at height %d (head %s)", tip.height, tip.id[:12])
+        self._last_height = self._stored_height  # windows are counted from here
         floor = self._stored_height - self.metrics.keep_heights
         self.metrics.load(self.store.metrics_reports(self.experiment_id, min_height=floor))
         if links and self.evaluator is not None:
@@ -484,6 +504,7 @@ class Node:
                     self._keep_report(waiting)
         if head.height > self._adopted_height:
             self._adopted_height = head.height
+            self._count_window(head.height, stepped=not machine.catching_up)
             now = time.monotonic()
             window = LastWindow(
                 height=head.height,
@@ -534,13 +555,36 @@ class Node:
         sending = [b for r in self.runners if isinstance(r, TrainerRunner) for b in r.pushing]
         return collector.snapshot(chain.height, head_at, in_use, sending)
 
-    def _check_target(self) -> None:
-        target = self.settings.windows
+    def _count_window(self, height: int, *, stepped: bool) -> None:
+        """A head was adopted: one more window taken part in when it followed the one
+        before (not a restored head, nor a jump while catching up)."""
+        last, self._last_height = self._last_height, height
+        if self._windows_left is None or last is None or height != last + 1 or not stepped:
+            return
+        self._windows_left -= 1
+        if self._windows_left <= 0 and self._target_height is None:
+            self._target_height = height
+
+    def _check_target(self, *, at_start: bool = False) -> None:
+        target = self._target_height
         if target is None:
             return
-        if all(r.machine.base.head.height >= target for r in self.runners):
-            self._target_reached = True
-            self._stop.set()
+        heights = [r.machine.base.head.height for r in self.runners]
+        if min(heights) < target:
+            return
+        if self.settings.windows is not None:
+            self.stop_reason = f"took part in {self.settings.windows} windows"
+        elif at_start:
+            self.stop_reason = (
+                f"nothing to do: already at height {max(heights)}, at or past the height "
+                f"to stop at ({target}); ask for more windows (--windows N) or a higher "
+                "--until-height"
+            )
+            logger.warning("%s", self.stop_reason)
+        else:
+            self.stop_reason = f"reached height {target}"
+        self._target_reached = True
+        self._stop.set()
 
     async def _linger(self) -> None:
         """The last window is done: peers may still need its head's weights from us, so a
@@ -634,7 +678,7 @@ class Node:
             connections = Connections(outbound=n.outbound, inbound=n.inbound)
             sent["gossip"] += n.gossip.bytes_sent
             received["gossip"] += n.gossip_bytes_received
-        reasons = [r.machine.catching_up or r.machine.last_reason for r in self.runners]
+        reasons = [r.reason() for r in self.runners]
         trained = next((r.last_trained for r in self.runners if r.last_trained), None)
         data = next(
             (d for r in self.runners if isinstance(r, TrainerRunner) and (d := r.data_status())),

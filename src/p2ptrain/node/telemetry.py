@@ -15,6 +15,8 @@ arrives) and the network (blob bytes served and pushed) -- and keeps:
   in the :class:`~.window_history.WindowHistory`:
 
   ========  ====================================================================
+  wait      from the window's opening here until its first proposal was seen (the
+            window waiting for its updates and deadline; see the status's waiting line)
   train     a trainer's inner steps for the window
   publish   from the end of training until the update went out (push + gossip)
   fetch     one blob download (an update, a head's state or aggregate)
@@ -53,7 +55,7 @@ from p2ptrain.node.window_history import (
 
 __all__ = ["BYTE_KINDS", "PHASES", "NodeTelemetry", "node_families"]
 
-PHASES = ("train", "publish", "fetch", "reduce", "attest", "certify")
+PHASES = ("wait", "train", "publish", "fetch", "reduce", "attest", "certify")
 BYTE_KINDS = ("update", "aggregate", "state", "shard", "gossip", "other")
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, float("inf"))
 #: Blob ids whose kind the node remembers (for the bytes it serves), and updates seen.
@@ -76,8 +78,8 @@ class NodeTelemetry:
         self.registry = CollectorRegistry(auto_describe=False)
         self.phase_seconds = Histogram(
             PREFIX + "phase_seconds",
-            "Seconds a window phase took on this node (train, publish, fetch, reduce, attest, "
-            "certify)",
+            "Seconds a window phase took on this node (wait, train, publish, fetch, reduce, "
+            "attest, certify)",
             ["phase"],
             registry=self.registry,
             buckets=_PHASE_BUCKETS,
@@ -239,6 +241,9 @@ class NodeTelemetry:
         if head.aggregate_blob is not None:
             self.blob_kind(head.aggregate_blob, "aggregate")
         window = head.height
+        closed = self.marked(window, "proposal") or self.marked(window, "attestation") or now
+        if closed >= self._adopted_at:
+            self.phase(window, "wait", closed - self._adopted_at)
         first_vote = self.marked(window, "attestation")
         if first_vote is not None:
             self.phase(window, "certify", now - first_vote)

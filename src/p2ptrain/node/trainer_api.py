@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
-from p2ptrain.node.events import HeadAdopted, NodeEvent, Trained
+from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, Trained
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.launch import serve
 from p2ptrain.node.persist import median_val_loss
@@ -180,11 +180,21 @@ class Trainer:
             samples_per_shard=manifest.dataset.shards[0].samples, name=manifest.dataset.name
         )
 
-    def run(self, windows: int | None = None) -> Iterator[WindowOutcome]:
-        """Train until ``windows`` windows are certified (None: until the loop stops).
-        Raises :class:`~p2ptrain.node.failures.RoleFailed` if a role of the node failed
-        too many steps in a row (the node stopped cleanly first)."""
-        settings = NodeSettings(**self._settings, windows=windows)
+    def run(
+        self, windows: int | None = None, *, until_height: int | None = None
+    ) -> Iterator[WindowOutcome]:
+        """Train ``windows`` more certified windows (counted once the node has caught up
+        with the network), or until the chain reaches ``until_height``; with neither, until
+        the loop stops. Raises :class:`~p2ptrain.node.failures.RoleFailed` if a role of the
+        node failed too many steps in a row (the node stopped cleanly first), and
+        :class:`~p2ptrain.errors.LocalError` when the node stopped without a window (e.g.
+        it was already at ``until_height``), saying why."""
+        for name, value in (("windows", windows), ("until_height", until_height)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise LocalError(f"Trainer.run: {name} must be at least 1, got {value!r}")
+        if windows is not None and until_height is not None:
+            raise LocalError("Trainer.run: give windows (more windows) or until_height, not both")
+        settings = NodeSettings(**self._settings, windows=windows, until_height=until_height)
         events: queue.Queue[NodeEvent | BaseException | None] = queue.Queue()
         nodes: list[Node] = []
         loop = metered_loop()
@@ -209,13 +219,17 @@ class Trainer:
         )
         thread.start()
         last: Trained | None = None
+        outcomes = 0
+        ready = False
         try:
             while (item := events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, Trained):
+                if isinstance(item, Ready):  # heads adopted before it were restored
+                    ready = True
+                elif isinstance(item, Trained):
                     last = item
-                elif isinstance(item, HeadAdopted) and nodes:
+                elif isinstance(item, HeadAdopted) and nodes and ready:
                     yield WindowOutcome(
                         height=item.height,
                         head_id=item.head_id,
@@ -227,6 +241,9 @@ class Trainer:
                         reason=item.reason,
                         val_loss=median_val_loss(nodes[0].store, item.head_id)[0],
                     )
+                    outcomes += 1
+            if outcomes == 0 and nodes and nodes[0].stop_reason:
+                raise LocalError(f"the trainer trained nothing: {nodes[0].stop_reason}")
         finally:
             if nodes and thread.is_alive():
                 loop.call_soon_threadsafe(nodes[0].stop)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 
@@ -51,7 +52,7 @@ from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["TRAIN_STEP", "TrainerRunner", "inner_lr_scaler", "window_seed"]
+__all__ = ["TRAIN_STEP", "TrainerRunner", "inner_lr_scaler", "warn_if_other_lr", "window_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,23 @@ def inner_lr_scaler(workload: Workload, spec: InnerOptimizerSpec) -> Callable[[f
     return scale
 
 
+def warn_if_other_lr(workload: Workload, spec: InnerOptimizerSpec) -> str | None:
+    """Warn once (and return the warning) when no parameter group of the workload's
+    optimizer was built with the experiment's ``inner_optimizer.lr``: the trainer trains at
+    its optimizer's rates (times the schedule), so trainers of one experiment may differ."""
+    rates = getattr(workload, "base_lrs", None)
+    if not rates or any(math.isclose(r, spec.lr, rel_tol=1e-6) for r in rates):
+        return None
+    shown = ", ".join(f"{r:g}" for r in sorted(set(rates)))
+    warning = (
+        f"this trainer's optimizer was built with learning rate {shown}, the experiment's "
+        f"inner_optimizer.lr is {spec.lr:g}; it trains at {shown} (times the experiment's "
+        "schedule): build the optimizer with the experiment's rate to train like the others"
+    )
+    logger.warning("%s", warning)
+    return warning
+
+
 class TrainerRunner(RoleRunner):
     main_step = TRAIN_STEP
     machine: TrainerMachine
@@ -107,6 +125,7 @@ class TrainerRunner(RoleRunner):
         self.manifest = machine.manifest
         self.peer_id = services.peer_id
         self._lr_scale = inner_lr_scaler(workload, self.manifest.inner_optimizer)
+        warn_if_other_lr(workload, self.manifest.inner_optimizer)
         genesis = machine.base.weights
         self._encoder = make_encoder(
             self.manifest.codec, schema_of(genesis), seed=window_seed(self.peer_id, 0)

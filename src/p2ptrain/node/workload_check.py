@@ -52,7 +52,9 @@ def workload_code(manifest: ExperimentManifest, given: str | None) -> str:
 def build_workload(manifest: ExperimentManifest, given: str | None = None) -> Workload:
     """The experiment's workload, built from ``given`` or the manifest's name (see
     :func:`workload_code`) with the manifest's config; not yet checked."""
-    return make_workload(workload_code(manifest, given), manifest.workload.config)
+    return make_workload(
+        workload_code(manifest, given), manifest.workload.config, dataset=manifest.dataset
+    )
 
 
 def experiment_workload(manifest: ExperimentManifest, given: str | None = None) -> Workload:

@@ -19,7 +19,22 @@ and after the deadline walks the proposer slots (:mod:`.proposers`):
 
 A window closes early when it is full: once ``max_updates`` updates have arrived, or a
 proposal naming ``max_updates`` updates arrives, the deadline is now (nobody can be left out
-of a full window, so waiting would only waste the time of everyone who is done).
+of a full window, so waiting would only waste the time of everyone who is done). It also
+closes early, with at least ``min_updates`` updates, once every *expected* trainer has
+reported (its update arrived, accepted or not): a trainer is expected when it reported in
+the window before (its update reached us, in time or late; so the heads it was accepted in
+too) and the node has heard from it within ``presence_timeout_s``
+(:meth:`Participant.heard_from`: a record, or its presence on the network, directly or
+through a peer). A peer record alone makes nobody expected (anyone can sign one), and a
+trainer that missed a window's early close is expected in the next, so it is not left out
+window after window. One alive but slow keeps the window open until its deadline, as before.
+Without presence (``presence_timeout_s`` None: the simulator, or a node told to wait for
+every deadline) only a full window closes early; with no trainer known from the window
+before (the first window, or a node that just started), neither does it.
+
+While the window waits, :meth:`Participant.waiting_for` says for what: how many of the
+expected updates arrived and who is still to report, which proposal is awaited, or why no
+update passed screening.
 
 Everyone counts attestations (:class:`AttestationBook`); q of them for one head make a
 certificate, sent to every peer. Decisions carry reasons; :meth:`statistics` sums them up.
@@ -108,8 +123,18 @@ class Participant(Follower):
         validator: bool,
         reducers: Sequence[bytes],
         now: float = 0.0,
+        presence_timeout_s: float | None = None,
     ) -> None:
         super().__init__(manifest, identity, genesis_weights)
+        if presence_timeout_s is not None and presence_timeout_s <= 0:
+            raise ValueError(f"presence_timeout_s must be positive, got {presence_timeout_s}")
+        self.presence_timeout_s = presence_timeout_s
+        #: trainer key -> when it was last heard from (bounded: the node reports the trainers
+        #: of its peer book, and entries older than the timeout are dropped)
+        self._heard: dict[bytes, float] = {}
+        #: The trainers that reported in the window before the open one (its updates, and
+        #: those that arrived late for it): who may be expected to report in the open one.
+        self._reporters_before: set[bytes] = set()
         self.is_validator = validator
         self.reducers = tuple(reducers)
         self.leases = LeaseBook(manifest)
@@ -129,6 +154,10 @@ class Participant(Follower):
     # --- window lifecycle ----------------------------------------------------------------
 
     def _open(self, base: BaseState, now: float) -> _Window:
+        closing: _Window | None = getattr(self, "_window", None)
+        self._reporters_before = set()
+        if closing is not None and closing.base.window + 1 == base.window:
+            self._reporters_before = {s.update.trainer for s in closing.updates.values()}
         order = proposer_order(
             self.manifest, self.experiment_id, base.window, self.reducers, self.dropped
         )
@@ -178,7 +207,8 @@ class Participant(Follower):
         when = self._slot_start(slot)
         if when <= now:  # ``now`` is a boundary that rounding placed in the slot before
             when = self._slot_start(slot + 1)
-        return when
+        lapse = self._next_lapse(now)
+        return when if lapse is None else min(when, lapse)
 
     def _slot_start(self, index: int) -> float:
         return self._window.deadline_at + index * self.manifest.window.proposal_s
@@ -189,12 +219,116 @@ class Participant(Follower):
         elapsed = now - self._window.deadline_at + 1e-9
         return -1 if elapsed < 0 else math.floor(elapsed / self.manifest.window.proposal_s)
 
-    def _close_early(self, now: float) -> None:
-        """The window is full: its deadline is now."""
+    def _close_early(self, now: float, why: str = "full") -> None:
+        """The window is full (or every expected trainer reported): its deadline is now."""
         w = self._window
         if now < w.deadline_at:
             w.deadline_at = now
-            self.last_reason = f"window {w.base.window} full: closed early"
+            self.last_reason = f"window {w.base.window} {why}: closed early"
+
+    # --- expected trainers ---------------------------------------------------------------
+
+    def heard_from(self, trainer: bytes, when: float) -> None:
+        """The node heard from ``trainer`` at ``when`` (a record, or its presence)."""
+        if self.presence_timeout_s is None:
+            return
+        if when > self._heard.get(trainer, -math.inf):
+            self._heard[trainer] = when
+
+    def _expected(self, now: float) -> frozenset[bytes]:
+        """The trainers that reported in the window before and were heard from within the
+        presence timeout (the lapsed are forgotten)."""
+        timeout = self.presence_timeout_s
+        if timeout is None:
+            return frozenset()
+        for key in [k for k, t in self._heard.items() if now - t > timeout]:
+            del self._heard[key]
+        return frozenset(k for k in self._heard if k in self._reporters_before)
+
+    def _reported(self) -> frozenset[bytes]:
+        return frozenset(s.update.trainer for s in self._window.updates.values())
+
+    def _all_reported(self, now: float) -> bool:
+        """Whether the window may close early: ``min_updates`` arrived and every expected
+        trainer reported (never without presence, never after the deadline)."""
+        w = self._window
+        if self.presence_timeout_s is None or now >= w.deadline_at:
+            return False
+        if not self._reporters_before or len(w.arrival) < self.manifest.window.min_updates:
+            return False
+        return self._expected(now) <= self._reported()
+
+    def _next_lapse(self, now: float) -> float | None:
+        """When the next expected trainer that has not reported stops being expected (the
+        window may then close early), if that can matter before the deadline."""
+        timeout = self.presence_timeout_s
+        w = self._window
+        if timeout is None or now >= w.deadline_at:
+            return None
+        if not self._reporters_before or len(w.arrival) < self.manifest.window.min_updates:
+            return None
+        reported = self._reported()
+        lapses = [
+            t + timeout
+            for k, t in self._heard.items()
+            if k not in reported and k in self._reporters_before
+        ]
+        after = [t for t in lapses if t > now]
+        return min(after) + 1e-3 if after else None
+
+    def _check_expected(self, now: float) -> None:
+        if self._all_reported(now):
+            self._close_early(now, "every expected trainer reported")
+
+    def waiting_for(self, now: float, *, countdown: bool = True) -> str:
+        """What the open window waits for, in words (the status, dashboard and log;
+        ``countdown=False`` leaves the time to the deadline out, for logging changes)."""
+        w = self._window
+        height = w.base.window
+        if height in self.votes or (not self.is_validator and w.proposed):
+            return self.last_reason
+        m = self.manifest.window
+        if now < w.deadline_at:
+            count = len(w.arrival)
+            left = (
+                f"deadline in {w.deadline_at - now:.0f} s" if countdown else "before the deadline"
+            )
+            if self.presence_timeout_s is None:
+                return (
+                    f"window {height}: {count} updates (min {m.min_updates}, max "
+                    f"{m.max_updates}), {left}"
+                )
+            reported = self._reported()
+            expected = self._expected(now)
+            if not self._reporters_before:  # nobody known from the window before
+                return (
+                    f"window {height}: {count} updates (min {m.min_updates}, max "
+                    f"{m.max_updates}), {left}"
+                )
+            missing = sorted(peer_id_of(k)[:12] for k in expected - reported)
+            line = (
+                f"window {height}: {count} of {len(expected | reported)} expected updates "
+                f"(min {m.min_updates}), {left}"
+            )
+            if missing:
+                return f"{line}; waiting for trainers {', '.join(missing)}"
+            return f"{line}; waiting for updates"
+        if not w.arrival:
+            return (
+                f"window {height}: no update arrived by the deadline; waiting for a first "
+                f"one (it gives everyone a new deadline)"
+            )
+        if self.last_reason.startswith("no proposal"):
+            return f"window {height}: {self.last_reason}"
+        opened = w.order[: max(0, min(self._slot(now), len(w.order) - 1)) + 1]
+        for proposer in opened:
+            name = peer_id_of(proposer)[:12]
+            if proposer in w.fetching:
+                count = len(w.fetching[proposer])
+                return f"window {height}: fetching {count} updates named by {name}'s proposal"
+            if proposer not in w.proposals and proposer != self.key:
+                return f"window {height}: waiting for a proposal from {name}"
+        return self.last_reason
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -206,7 +340,11 @@ class Participant(Follower):
             return []
         verdict = belongs_to_window(self.experiment_id, w.base, signed.record, w.bases)
         if not verdict:
+            late = signed.record.window == w.base.window - 1
+            if late and len(self._reporters_before) < self.manifest.window.max_updates:
+                self._reporters_before.add(signed.record.trainer)  # expected next time
             return []  # stale or replayed: belongs in no cohort, nothing to count
+        self.heard_from(signed.record.trainer, now)
         if not w.arrival and now >= w.deadline_at and not w.proposals:
             # the first update of a window whose deadline passed empty (what was sent was
             # lost, or the window opened here long before elsewhere): the others get a full
@@ -223,6 +361,9 @@ class Participant(Follower):
         actions: list[Action] = []
         if now < w.deadline_at and len(w.arrival) >= self.manifest.window.max_updates:
             self._close_early(now)
+            actions += self._advance(now)
+        elif self._all_reported(now):
+            self._close_early(now, "every expected trainer reported")
             actions += self._advance(now)
         for proposer, missing in list(w.fetching.items()):
             if update_id in missing:
@@ -303,6 +444,7 @@ class Participant(Follower):
         return self._by_head.get(head_id)
 
     def tick(self, now: float) -> list[Action]:
+        self._check_expected(now)
         return self._advance(now)
 
     # --- deciding ------------------------------------------------------------------------
@@ -421,7 +563,7 @@ class Participant(Follower):
         if reduction.head is None or reduction.aggregate_blob is None:
             # not proposed: tried again as late updates arrive (the reduction of an
             # unchanged cohort is cached)
-            self.last_reason = f"no proposal: {reduction.reason}"
+            self.last_reason = f"no proposal: {reduction.reason}{_refusals(reduction)}"
             return []
         w.proposed = True
         proposal = Proposal(
@@ -469,3 +611,12 @@ class Participant(Follower):
             dropped_reducers=len(self.dropped),
             equivocations=len(self.book.equivocations),
         )
+
+
+def _refusals(reduction: Reduction, shown: int = 3) -> str:
+    """The first rejection reasons of a reduction that made no head, for the status."""
+    if not reduction.rejected:
+        return ""
+    listed = "; ".join(f"{r.update_id[:12]}: {r.reason}" for r in reduction.rejected[:shown])
+    more = len(reduction.rejected) - shown
+    return f" (rejected {listed}{f'; {more} more' if more > 0 else ''})"

@@ -111,8 +111,10 @@ def head_blob_ids(head: Head) -> tuple[str, ...]:
 
 
 def pinned_blobs(manifest: ExperimentManifest) -> frozenset[str]:
-    """The blobs a node never collects: genesis and the dataset's shards."""
-    return frozenset([manifest.genesis_weights, *(s.blob_id for s in manifest.dataset.shards)])
+    """The blobs a node never collects: genesis and the dataset's shards (its validation
+    shards included)."""
+    shards = manifest.dataset.all_shards
+    return frozenset([manifest.genesis_weights, *(s.blob_id for s in shards)])
 
 
 def unknown_grace_s(window: WindowSpec) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2ptrain.errors import LocalError
-from p2ptrain.sim.attacks import ATTACKS
 
 __all__ = ["ADVERSARIES", "Crash", "Partitioned", "Scenario", "SlowLink"]
 
@@ -72,6 +71,8 @@ class Scenario:
     max_windows_time_factor: float = 4.0
 
     def __post_init__(self) -> None:
+        from p2ptrain.sim.attacks import ATTACKS  # imports torch: not on `sim --help`
+
         if self.trainers < 1 or self.validators < 1 or self.windows < 1:
             raise LocalError("--trainers, --validators and --windows must each be at least 1")
         if not 1 <= self.quorum <= self.validators:

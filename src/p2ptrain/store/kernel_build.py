@@ -2,8 +2,10 @@
 
 ``aggregate/`` only runs a kernel it is given; this shell compiles it. :func:`ensure_kernel`
 installs :func:`load_kernel` as the kernel's loader; it is cheap and idempotent, and each
-entry point that aggregates calls it (the ``p2ptrain`` command, a node's ``serve``, the
-simulator, the benchmarks, the test suite). Nothing is built until the first streamed pass.
+entry point that aggregates calls it (a node's ``serve``, the simulator, the benchmarks that
+aggregate, the test suite), not the ``p2ptrain`` command for all its commands: this module
+imports torch, which ``p2ptrain --version`` or ``status`` do without. Nothing is built until
+the first streamed pass.
 
 The library is compiled once per source and machine with the system C compiler (``$CC``,
 else ``cc``) into ``$P2PTRAIN_CACHE`` (default ``$XDG_CACHE_HOME/p2ptrain``, else

@@ -10,12 +10,20 @@ workload names to factories; :mod:`.baseline` replays a run as synchronous data 
 training, the yardstick DiLoCo is measured against. The Trainer API (your model,
 optimizer and loaders on the network) runs a node, so it lives in :mod:`p2ptrain.node`
 (``p2ptrain.Trainer``).
+
+The names below are imported when first asked for, so that a plain module of this package
+(:mod:`.demo_settings`) loads without torch.
 """
 
 from __future__ import annotations
 
-from p2ptrain.torch.registry import known_workloads, make_workload, register
-from p2ptrain.torch.workload import TorchWorkload, WindowResult, Workload
+from typing import TYPE_CHECKING
+
+from p2ptrain.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from p2ptrain.torch.registry import known_workloads, make_workload, register
+    from p2ptrain.torch.workload import TorchWorkload, WindowResult, Workload
 
 __all__ = [
     "TorchWorkload",
@@ -25,3 +33,16 @@ __all__ = [
     "make_workload",
     "register",
 ]
+
+#: Where each name of ``__all__`` is defined.
+_MODULE_OF = {
+    "known_workloads": "registry",
+    "make_workload": "registry",
+    "register": "registry",
+    "TorchWorkload": "workload",
+    "WindowResult": "workload",
+    "Workload": "workload",
+}
+
+
+__getattr__ = lazy_exports(__name__, _MODULE_OF)

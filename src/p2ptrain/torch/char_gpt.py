@@ -24,6 +24,12 @@ measured a ratio of 1.061 (1.043 at 24 windows) and 808k (4 x 128, context 32) 1
 with H = 20 and 40 windows (1.13) or the paper's outer settings (1.21). The demo keeps the
 238k model so that it stays within 5% of DDP in about five minutes on two cores; the
 ``n_layer``/``n_embd`` settings scale it for machines with more time.
+
+When the experiment names prepared text (``[data] prepared``), the model's vocabulary is
+that dataset's, its context (``block_size``) is one less than the rows' length (the targets
+are the ids shifted by one; another ``block_size`` is refused), it trains on the prepared
+rows and validates on the dataset's validation split only
+(:mod:`p2ptrain.torch.prepared_text`).
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from p2ptrain.core.manifests import DatasetManifest
 from p2ptrain.data.shakespeare import ShakespeareChars
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import PairLoss, cross_entropy_loss
+from p2ptrain.torch.demo_settings import DEMO_AGGREGATE_PRECISION, DEMO_CODEC, DEMO_DEFAULTS
+from p2ptrain.torch.prepared_text import PreparedText, prepared_text
 from p2ptrain.torch.workload import TorchWorkload
 
 __all__ = [
@@ -68,32 +77,6 @@ DEFAULT_CONFIG: Final[dict[str, ConfigValue]] = {
     "samples_per_shard": 256,
     "val_blocks": 256,
 }
-
-#: The protocol settings the demo uses with :data:`DEFAULT_CONFIG` (see bench/tune_diloco.py).
-DEMO_DEFAULTS: Final[dict[str, int | float]] = {
-    "inner_steps": 50,
-    "windows": 24,
-    "outer_lr": 1.0,
-    "outer_momentum": 0.5,
-    "trainers": 4,
-    #: samples per lease: inner_steps x batch_size, so a window sees each leased sample once
-    "lease_size": 800,
-    #: window.staleness: 1 lets trainers train the next window while one is certified
-    #: (compute utilisation 0.985 against 0.56), but its one-step-delayed outer steps ended
-    #: 24 windows at validation loss 1.97 against 1.93 on loopback, so the demo waits
-    "staleness": 0,
-    #: the inner learning rate decays along a cosine to this fraction of the workload's lr
-    #: over the run's windows (bench/tune_diloco.py --cosine 0.1: 24 windows ended at
-    #: validation loss 1.877 against 1.913 at a constant rate)
-    "min_lr_ratio": 0.1,
-}
-
-#: The demo's update codec and aggregation.precision: trainers upload 4-bit blockwise codes
-#: (an eighth of float32's bytes) and download each window's aggregate rounded the same way
-#: (the outer step applies the rounded values). bench/tune_diloco.py: 24 windows ended at
-#: validation loss 1.877 with both at 4 bits, 1.876 with both at 8 bits.
-DEMO_CODEC: Final = "int4"
-DEMO_AGGREGATE_PRECISION: Final = "int4"
 
 
 def demo_inner_schedule(windows: int) -> dict[str, str | int | float]:
@@ -242,15 +225,46 @@ def char_gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return cross_entropy_loss(model(ids[:, :-1]), ids[:, 1:])
 
 
-def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
+def _context(config: Mapping[str, ConfigValue], text: PreparedText) -> int:
+    """The model's context on prepared rows: one less than their length."""
+    rows = text.tokenizer.block_size
+    given = config.get("block_size")
+    name = text.dataset.name
+    if rows < 2:
+        raise LocalError(
+            f"char-gpt: the prepared dataset {name!r} has rows of 1 token, which leave no "
+            "context (the targets are the ids shifted by one): prepare it with --block-size "
+            "2 or more"
+        )
+    if given is not None and given != rows - 1:
+        redo = given + 1 if isinstance(given, int) and not isinstance(given, bool) else "L"
+        raise LocalError(
+            f"char-gpt: block_size = {given!r:.20}, but the prepared dataset {name!r} has rows "
+            f"of {rows} tokens, which give a context of {rows - 1} (the targets are the ids "
+            "shifted by one): leave block_size out, or prepare the data again with "
+            f"--block-size {redo}"
+        )
+    return rows - 1
+
+
+def char_gpt_workload(
+    config: Mapping[str, ConfigValue], *, dataset: DatasetManifest | None = None
+) -> TorchWorkload:
     """The char-GPT workload for ``config`` (missing keys take :data:`DEFAULT_CONFIG`):
-    the model, AdamW (weight decay on matrices only) and the Shakespeare splits."""
+    the model, AdamW (weight decay on matrices only) and the Shakespeare splits, or the
+    experiment's prepared text when ``dataset`` (its dataset manifest) is a prepared one."""
     settings = _settings(config)
-    block_size = _int(settings, "block_size")
-    train = ShakespeareChars(block_size, "train")
-    val = ShakespeareChars(block_size, "val")
+    text = prepared_text(dataset, "char-gpt", dict(config))
+    vocab: tuple[str, ...] | None
+    if text is None:
+        block_size = _int(settings, "block_size")
+        train, val = ShakespeareChars(block_size, "train"), ShakespeareChars(block_size, "val")
+        vocab_size, vocab = train.vocab_size, tuple(train.vocab)
+    else:
+        block_size = _context(config, text)
+        vocab_size, vocab = text.tokenizer.vocab_size, text.tokenizer.tokens
     model = CharGPT(
-        train.vocab_size,
+        vocab_size,
         n_layer=_int(settings, "n_layer"),
         n_embd=_int(settings, "n_embd"),
         n_head=_int(settings, "n_head"),
@@ -270,21 +284,25 @@ def char_gpt_workload(config: Mapping[str, ConfigValue]) -> TorchWorkload:
         weight_decay=_float(settings, "weight_decay"),
     )
     batch_size = _int(settings, "batch_size")
-    val_blocks = min(_int(settings, "val_blocks"), len(val))
+    available = len(val) if text is None else max(1, text.dataset.validation_samples)
+    val_blocks = min(_int(settings, "val_blocks"), available)
     eval_batch_size = min(val_blocks, 512)  # beyond 512, val_blocks rounds up to 512s
     workload = TorchWorkload(
         model,
         optimizer,
-        train,
-        val,
+        train if text is None else text.pipeline,
+        val if text is None else None,
         batch_size=batch_size,
         samples_per_shard=_int(settings, "samples_per_shard"),
-        name=f"shakespeare-chars-{block_size}",
+        name=f"shakespeare-chars-{block_size}" if text is None else text.dataset.name,
         val_batches=math.ceil(val_blocks / eval_batch_size),
         eval_batch_size=eval_batch_size,
         batch_loss=char_gpt_loss,
         language_model=True,
-        vocab=tuple(train.vocab),
+        vocab=vocab,
+        tokenizer=None if text is None else text.tokenizer,
+        val_from_data=text is not None,
+        example_rows=None if text is None else text.example_rows(),
     )
     workload.language_model = True  # next-character cross-entropy: perplexity = exp(loss)
     return workload

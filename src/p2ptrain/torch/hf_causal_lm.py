@@ -16,7 +16,12 @@ Two ways in:
   same bits everywhere; or ``pretrained``, a local directory (never a download: every peer
   must hold the same files). The data is the bundled Shakespeare corpus, character-level
   (:mod:`p2ptrain.data.shakespeare`), cut into rows of ``block_size`` tokens; the vocabulary
-  defaults to the corpus's characters, kept as ``workload.vocab`` for exports.
+  defaults to the corpus's characters, kept as ``workload.vocab`` for exports. When the
+  experiment names prepared text (``[data] prepared``), the data, the vocabulary and the
+  validation split are that dataset's instead (:mod:`p2ptrain.torch.prepared_text`):
+  ``vocab_size`` defaults to the dataset's (a smaller one is refused), ``block_size`` is its
+  rows' length (another is refused), and without a validation split there is no
+  validation loss.
 
 ``import p2ptrain`` never imports ``transformers``: this module imports it when a model is
 built from a config, and says how to install it when it is missing.
@@ -34,10 +39,12 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from p2ptrain.core.manifests import DatasetManifest, TokenizerSpec
 from p2ptrain.data.pipelines import DataPipeline
 from p2ptrain.data.shakespeare import ShakespeareChars
 from p2ptrain.data.shards import MapDataset
 from p2ptrain.errors import LocalError
+from p2ptrain.torch.prepared_text import PreparedText, prepared_text
 from p2ptrain.torch.workload import TorchWorkload
 
 __all__ = [
@@ -130,7 +137,7 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch
 def causal_lm_workload(
     model: nn.Module,
     train_dataset: MapDataset | DataPipeline | None,
-    val_dataset: MapDataset,
+    val_dataset: MapDataset | None,
     *,
     batch_size: int,
     samples_per_shard: int,
@@ -140,10 +147,14 @@ def causal_lm_workload(
     device: torch.device | str = "cpu",
     val_batches: int = 8,
     vocab: Sequence[str] | None = None,
+    tokenizer: TokenizerSpec | None = None,
+    val_from_data: bool = False,
+    example_rows: MapDataset | None = None,
 ) -> TorchWorkload:
     """A :class:`TorchWorkload` for a causal LM (see the module docstring); the optimizer
     defaults to ``AdamW(model.parameters(), lr=lr)``; ``vocab`` is the string of each token
-    id, kept as ``workload.vocab`` so that exports can decode ids."""
+    id, kept as ``workload.vocab`` so that exports can decode ids; ``tokenizer``,
+    ``val_from_data`` and ``example_rows`` are :class:`TorchWorkload`'s."""
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     return TorchWorkload(
@@ -160,6 +171,9 @@ def causal_lm_workload(
         device=device,
         language_model=True,
         vocab=vocab,
+        tokenizer=tokenizer,
+        val_from_data=val_from_data,
+        example_rows=example_rows,
     )
 
 
@@ -241,11 +255,16 @@ def _positions(model: nn.Module) -> int | None:
 
 
 def hf_causal_lm_workload(
-    config: Mapping[str, ConfigValue], *, device: torch.device | str = "cpu"
+    config: Mapping[str, ConfigValue],
+    *,
+    device: torch.device | str = "cpu",
+    dataset: DatasetManifest | None = None,
 ) -> TorchWorkload:
     """The hf-causal-lm workload for a manifest's ``[workload.config]`` (see the module
-    docstring; missing settings take :data:`DEFAULT_CONFIG`)."""
+    docstring; missing settings take :data:`DEFAULT_CONFIG`), on the experiment's prepared
+    text when ``dataset`` (the experiment's dataset manifest) is a prepared one."""
     transformers = import_transformers()
+    text = prepared_text(dataset, "hf-causal-lm", dict(config))
     settings = dict(DEFAULT_CONFIG)
     sizes: dict[str, ConfigValue] = {}
     for key, given in config.items():
@@ -253,7 +272,7 @@ def hf_causal_lm_workload(
             settings[key] = _checked(key, given)
         elif key not in ("model_type", "pretrained"):
             sizes[key] = given
-    if settings["corpus"] != "shakespeare":
+    if text is None and settings["corpus"] != "shakespeare":
         raise LocalError(
             f"hf-causal-lm has no corpus {settings['corpus']!r:.80}; the built-in one is "
             "'shakespeare'. For your own data, build the workload in Python with "
@@ -262,33 +281,48 @@ def hf_causal_lm_workload(
     dtype = _DTYPES.get(str(settings["dtype"]))
     if dtype is None:
         raise LocalError(f"hf-causal-lm dtype must be one of {sorted(_DTYPES)}")
+    if text is not None:
+        _check_block_size(config, text)
+        settings["block_size"] = text.tokenizer.block_size
     block_size, seed, batch_size = (int(settings[k]) for k in ("block_size", "seed", "batch_size"))
     if block_size < 2 or batch_size < 1:
         raise LocalError("hf-causal-lm needs block_size >= 2 and batch_size >= 1")
-    train, val = ShakespeareChars(block_size - 1, "train"), ShakespeareChars(block_size - 1, "val")
+    if text is None:
+        train = ShakespeareChars(block_size - 1, "train")
+        vocab_size, where = train.vocab_size, "the Shakespeare corpus (one per character)"
+    else:
+        vocab_size = text.tokenizer.vocab_size
+        where = f"the prepared dataset {text.dataset.name!r}"
     model_type, pretrained = config.get("model_type"), config.get("pretrained")
     if isinstance(pretrained, str) and model_type is None and not sizes:
         model = _pretrained(transformers, pretrained)
     elif isinstance(model_type, str) and pretrained is None:
-        sizes.setdefault("vocab_size", train.vocab_size)
+        sizes.setdefault("vocab_size", vocab_size)
         model = _from_config(transformers, model_type, sizes, seed)
     else:
         raise LocalError(
             "hf-causal-lm needs either model_type (a string such as 'gpt2', with size keys) "
             "or pretrained (a local directory, without size keys), not both"
         )
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab_size, int) and vocab_size < train.vocab_size:
+    model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(model_vocab, int) and model_vocab < vocab_size:
         raise LocalError(
-            f"the model's vocab_size {vocab_size} is below the corpus's {train.vocab_size} "
-            "characters; raise vocab_size or leave it out"
+            f"the model's vocab_size {model_vocab} is below the {vocab_size} ids of {where}; "
+            "raise vocab_size or leave it out"
         )
     positions = _positions(model)
     if positions is not None and positions < block_size:
         raise LocalError(
             f"block_size {block_size} exceeds the model's {positions} positions; lower "
             "block_size or raise the model's positions (n_positions / max_position_embeddings)"
+            if text is None
+            else f"the rows of {block_size} tokens of {where} exceed the model's {positions} "
+            "positions: raise them (n_positions / max_position_embeddings), or prepare the "
+            "data with a smaller --block-size"
         )
+    if text is not None:
+        return _on_prepared_text(model.to(dtype), text, settings, device)
+    val = ShakespeareChars(block_size - 1, "val")
     val_blocks = min(int(settings["val_blocks"]), len(val))
     return causal_lm_workload(
         model.to(dtype),
@@ -301,4 +335,42 @@ def hf_causal_lm_workload(
         device=device,
         val_batches=max(1, math.ceil(val_blocks / batch_size)),
         vocab=tuple(train.vocab),
+    )
+
+
+def _check_block_size(config: Mapping[str, ConfigValue], text: PreparedText) -> None:
+    given, rows = config.get("block_size"), text.tokenizer.block_size
+    if given is not None and given != rows:
+        raise LocalError(
+            f"hf-causal-lm: block_size = {given!r:.20}, but the prepared dataset "
+            f"{text.dataset.name!r} has rows of {rows} tokens: leave block_size out (it is "
+            "the rows' length), or prepare the data again with --block-size "
+            f"{given!r:.20}"
+        )
+
+
+def _on_prepared_text(
+    model: nn.Module,
+    text: PreparedText,
+    settings: Mapping[str, ConfigValue],
+    device: torch.device | str,
+) -> TorchWorkload:
+    """The workload on the experiment's prepared text: its shards (attached by the node),
+    its tokenizer and its validation split."""
+    batch_size = int(settings["batch_size"])
+    val_blocks = min(int(settings["val_blocks"]), max(1, text.dataset.validation_samples))
+    return causal_lm_workload(
+        model,
+        text.pipeline,
+        None,
+        batch_size=batch_size,
+        samples_per_shard=int(settings["samples_per_shard"]),
+        name=text.dataset.name,
+        lr=float(settings["lr"]),
+        device=device,
+        val_batches=max(1, math.ceil(val_blocks / batch_size)),
+        vocab=text.tokenizer.tokens,
+        tokenizer=text.tokenizer,
+        val_from_data=True,
+        example_rows=text.example_rows(),
     )

@@ -6,10 +6,14 @@ writes, into one directory:
 * ``config.json``, ``model.safetensors`` (or its shards and index, for a large model) and
   ``generation_config.json``: ``save_pretrained``'s output, so that
   ``AutoModelForCausalLM.from_pretrained(directory)`` loads the model;
-* ``vocab.json``, when the workload has a vocabulary (``workload.vocab``): ``{token: id}``,
-  one entry per token id. It is a plain table, not a ``transformers`` tokenizer (there is no
-  ``tokenizer_config.json``): decode ids with ``"".join(token_of[i] for i in ids)`` where
-  ``token_of`` inverts the table; the model card shows how;
+* ``vocab.json``, when the workload has a vocabulary (``workload.vocab``: the built-in
+  corpus's characters, or those of the prepared ``chars`` dataset the experiment trained
+  on): ``{token: id}``, one entry per token id. It is a plain table, not a ``transformers``
+  tokenizer (there is no ``tokenizer_config.json``): decode ids with ``"".join(token_of[i]
+  for i in ids)`` where ``token_of`` inverts the table; the model card shows how. A model
+  trained on prepared ``bytes`` ids decodes with ``bytes(ids).decode("utf-8")``; one
+  trained on the ids of a Hugging Face tokenizer names that tokenizer in its card (the
+  tokenizer's files are not part of the experiment, so not of the export);
 * ``README.md``: a model card with every entry of ``card`` (experiment id, head, height,
   certificate signers, validation loss, ...) in a table, and a usage snippet.
 """
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from p2ptrain.core.manifests import TokenizerSpec
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.hf_causal_lm import import_transformers
 from p2ptrain.torch.workload import TorchWorkload
@@ -40,15 +45,32 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def model_card(card: Mapping[str, Any], *, has_vocab: bool) -> str:
-    """The README.md of an export: ``card`` as a table, then how to load and sample."""
+def _decode_lines(has_vocab: bool, tokenizer: TokenizerSpec | None) -> str:
+    """The usage snippet's lines that turn generated ids into text."""
+    if has_vocab:
+        return (
+            'token_of = {i: t for t, i in json.load(open(f"{path}/vocab.json")).items()}\n'
+            'print("".join(token_of[i] for i in ids[0].tolist()))\n'
+        )
+    if tokenizer is not None and tokenizer.kind == "bytes":
+        return 'print(bytes(ids[0].tolist()).decode("utf-8", "replace"))\n'
+    if tokenizer is not None and tokenizer.kind == "huggingface":
+        return (
+            f"# the ids are those of the {tokenizer.name or 'Hugging Face'} tokenizer the "
+            "data was prepared with (not in this directory):\n"
+            "# print(tokenizer.decode(ids[0]))\n"
+        )
+    return "print(ids)\n"
+
+
+def model_card(
+    card: Mapping[str, Any], *, has_vocab: bool, tokenizer: TokenizerSpec | None = None
+) -> str:
+    """The README.md of an export: ``card`` as a table, then how to load and sample
+    (decoding ids with ``vocab.json`` when ``has_vocab``, else as ``tokenizer`` made
+    them)."""
     rows = "\n".join(f"| {_cell(key)} | {_cell(value)} |" for key, value in card.items())
-    decode = (
-        'token_of = {i: t for t, i in json.load(open(f"{path}/vocab.json")).items()}\n'
-        'print("".join(token_of[i] for i in ids[0].tolist()))\n'
-        if has_vocab
-        else "print(ids)\n"
-    )
+    decode = _decode_lines(has_vocab, tokenizer)
     return (
         "---\nlibrary_name: transformers\ntags:\n- p2ptrain\n---\n\n"
         "# Model trained with p2ptrain\n\n"
@@ -112,6 +134,14 @@ def write_hf_export(
         vocab_path.write_text(json.dumps(table, ensure_ascii=False, indent=1) + "\n", "utf-8")
         written["vocab.json"] = str(vocab_path)
     readme = out_dir / "README.md"
-    readme.write_text(model_card(card, has_vocab=workload.vocab is not None), "utf-8")
+    tokenizer = workload.tokenizer
+    if tokenizer is not None:
+        card = {
+            **card,
+            "tokenizer": f"{tokenizer.kind}{f' ({tokenizer.name})' if tokenizer.name else ''}, "
+            f"{tokenizer.vocab_size} ids, rows of {tokenizer.block_size} tokens",
+        }
+    text = model_card(card, has_vocab=workload.vocab is not None, tokenizer=tokenizer)
+    readme.write_text(text, "utf-8")
     written["README.md"] = str(readme)
     return written

@@ -19,6 +19,11 @@ collated batch: ``loss(model, batch)``; default: cross-entropy of ``model(inputs
 ``targets`` for ``(inputs, targets)`` batches), ``samples_per_shard`` (default 64) and ``name``
 (the dataset's name). Loading code runs it: a node runs a reference only when its operator
 passed it (``--workload``), never because a manifest named it.
+
+A factory with a parameter named ``dataset`` is also given the experiment's dataset
+manifest (``factory(config, dataset=...)``; None when there is none yet): the built-in
+language models take their vocabulary, data and validation split from a prepared text
+dataset there (:mod:`p2ptrain.torch.prepared_text`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ import importlib.util
 import inspect
 import json
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from p2ptrain.core.field_rules import name_from
+from p2ptrain.core.manifests import DatasetManifest
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.char_gpt import char_gpt_workload
 from p2ptrain.torch.hf_causal_lm import hf_causal_lm_workload  # imports transformers lazily
@@ -127,6 +134,7 @@ def _load_file(path: Path, reference: str) -> Any:
         del sys.modules[name]
         raise LocalError(
             f"workload {reference!r}: importing {path} failed: {type(exc).__name__}: {exc}"
+            f"{_raised_at(exc)}"
         ) from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
@@ -143,7 +151,8 @@ def _load_module(module_name: str, reference: str) -> Any:
         ) from exc
     except Exception as exc:
         raise LocalError(
-            f"workload {reference!r}: importing {module_name} failed: {type(exc).__name__}: {exc}"
+            f"workload {reference!r}: importing {module_name} failed: {type(exc).__name__}: "
+            f"{exc}{_raised_at(exc)}"
         ) from exc
 
 
@@ -181,7 +190,7 @@ def resolve_factory(name_or_reference: str) -> Callable[..., Any]:
         except Exception as exc:
             raise LocalError(
                 f"workload {name_or_reference!r} (entry point {point.value}) failed to "
-                f"load: {type(exc).__name__}: {exc}"
+                f"load: {type(exc).__name__}: {exc}{_raised_at(exc)}"
             ) from exc
         return loaded  # type: ignore[no-any-return]
     raise LocalError(
@@ -192,14 +201,47 @@ def resolve_factory(name_or_reference: str) -> Callable[..., Any]:
     )
 
 
-def _call(factory: Callable[..., Any], config: Mapping[str, ConfigValue], where: str) -> Any:
+def _raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised, its last frame: `` (at path/file.py, line 12, in build)``;
+    ``p2ptrain -v`` prints the whole traceback. Nothing for a syntax error, which names its
+    file and line itself."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, SyntaxError) or not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {_shown(last.filename)}, line {last.lineno}, in {last.name})"
+
+
+def _shown(filename: str) -> str:
+    """A file as people give it: relative to the current directory when it is inside it."""
+    path = Path(filename)
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return filename
+
+
+def _call(
+    factory: Callable[..., Any],
+    config: Mapping[str, ConfigValue],
+    where: str,
+    dataset: DatasetManifest | None,
+) -> Any:
     try:
         parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
         parameters = None
     takes_config = parameters is None or any(
-        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        and p.name != "dataset"
+        for p in parameters
     )
+    extra: dict[str, Any] = {}
+    if parameters is not None and any(
+        p.name == "dataset" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in parameters
+    ):
+        extra["dataset"] = dataset
     if not takes_config and config:
         raise LocalError(
             f"workload {where!r} takes no config, but the experiment gives it "
@@ -207,19 +249,25 @@ def _call(factory: Callable[..., Any], config: Mapping[str, ConfigValue], where:
             "[workload.config] from the experiment"
         )
     try:
-        return factory(dict(config)) if takes_config else factory()
+        return factory(dict(config), **extra) if takes_config else factory(**extra)
     except LocalError:
         raise
     except Exception as exc:
         raise LocalError(
-            f"workload {where!r}: the factory raised {type(exc).__name__}: {exc}"
+            f"workload {where!r}: the factory raised {type(exc).__name__}: {exc}{_raised_at(exc)}"
         ) from exc
 
 
-def make_workload(name_or_reference: str, config: Mapping[str, ConfigValue]) -> Workload:
+def make_workload(
+    name_or_reference: str,
+    config: Mapping[str, ConfigValue],
+    *,
+    dataset: DatasetManifest | None = None,
+) -> Workload:
     """The workload ``name_or_reference`` built from ``config`` (a manifest's
-    ``[workload.config]``)."""
-    built = _call(resolve_factory(name_or_reference), config, name_or_reference)
+    ``[workload.config]``); ``dataset``, the experiment's dataset manifest, goes to a
+    factory that takes it (see the module docstring)."""
+    built = _call(resolve_factory(name_or_reference), config, name_or_reference, dataset)
     if isinstance(built, Workload):
         return built
     if isinstance(built, Mapping):

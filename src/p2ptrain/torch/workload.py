@@ -29,6 +29,10 @@ datasets. The things that make DiLoCo work, and that tests pin down:
   or float16 model trains float32 master weights under autocast (:mod:`.placement`).
 * **Mistakes early.** :meth:`TorchWorkload.dry_run` runs one batch forward and backward and
   words what is wrong (:mod:`.dry_run`).
+* **Honest validation.** The validation set is the workload's own, or (``val_from_data``)
+  the validation split of the prepared data the node attaches (:meth:`use_data`). A
+  workload without validation data says why (:attr:`TorchWorkload.validation_missing`) and
+  :meth:`evaluate` refuses with that reason: it never reports a loss on other data.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from p2ptrain.core.manifests import DatasetManifest
-from p2ptrain.data.pipelines import DataPipeline, as_pipeline
+from p2ptrain.core.manifests import DatasetManifest, TokenizerSpec
+from p2ptrain.data.pipelines import DataPipeline, ShardMissing, as_pipeline
 from p2ptrain.data.shards import MapDataset
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import (
@@ -180,7 +184,15 @@ class TorchWorkload:
     ``val_batches`` batches of ``eval_batch_size`` (default ``batch_size``) samples spread
     evenly over the validation set. ``language_model`` says the loss is a per-token
     cross-entropy (evaluators then report perplexity, ``exp(loss)``); ``vocab`` (the string of
-    each token id), when set, lets exports decode token ids.
+    each token id), when set, lets exports decode token ids, and ``tokenizer`` (a prepared
+    text dataset's) says how the ids were made.
+
+    ``val_from_data``: ``val_dataset`` is None and the validation set is the validation
+    split of the training data (``pipeline.validation_view()``, a prepared dataset's
+    held-out shards), taken again whenever :meth:`use_data` attaches data; without one the
+    workload has no validation data (:attr:`validation_missing` says why).
+    ``example_rows``: rows of the data's form (a few suffice) that :meth:`dry_run` runs on
+    when neither training nor validation rows are on this machine yet.
     """
 
     def __init__(
@@ -188,7 +200,7 @@ class TorchWorkload:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         train_dataset: MapDataset | DataPipeline | None,
-        val_dataset: MapDataset,
+        val_dataset: MapDataset | None,
         *,
         batch_size: int,
         samples_per_shard: int,
@@ -201,14 +213,23 @@ class TorchWorkload:
         device: torch.device | str = "cpu",
         language_model: bool = False,
         vocab: Sequence[str] | None = None,
+        tokenizer: TokenizerSpec | None = None,
+        val_from_data: bool = False,
+        example_rows: MapDataset | None = None,
     ) -> None:
         if batch_size < 1 or val_batches < 1:
             raise LocalError(
                 f"batch_size and val_batches must be positive, got {batch_size}, {val_batches}"
             )
-        _check_map_style("validation", val_dataset)
-        if len(val_dataset) < 1:
-            raise LocalError("the validation dataset is empty; evaluation needs samples")
+        if val_from_data != (val_dataset is None):
+            raise LocalError(
+                "give a validation dataset, or val_from_data=True to validate on the "
+                "validation split of the attached data (not both)"
+            )
+        if val_dataset is not None:
+            _check_map_style("validation", val_dataset)
+            if len(val_dataset) < 1:
+                raise LocalError("the validation dataset is empty; evaluation needs samples")
         if loss_fn is not None and batch_loss is not None:
             raise LocalError(
                 "pass loss_fn (for (inputs, targets) batches) or batch_loss (any batch), not both"
@@ -222,11 +243,13 @@ class TorchWorkload:
             if train_dataset is None
             else as_pipeline(train_dataset, name=name, samples_per_shard=samples_per_shard)
         )
-        self.val_dataset = val_dataset
         self.name = name
         self.samples_per_shard = samples_per_shard
         self.language_model = language_model
         self.vocab: tuple[str, ...] | None = None if vocab is None else tuple(vocab)
+        self.tokenizer = tokenizer
+        self.val_from_data = val_from_data
+        self.example_rows = example_rows
         self.loss_fn: LossFn = loss_fn or cross_entropy_loss
         self.batch_loss: BatchLoss = batch_loss or PairLoss(self.loss_fn)
         self.collate_fn: Collate = collate_fn or default_collate
@@ -237,10 +260,46 @@ class TorchWorkload:
         #: Each parameter group's learning rate as built: what set_lr_scale multiplies.
         self._base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._initial = snapshot(self._params)
-        eval_size = eval_batch_size or batch_size
-        count = min(len(val_dataset), val_batches * eval_size)
-        spread = [i * len(val_dataset) // count for i in range(count)]
-        self._val_batches = [spread[i : i + eval_size] for i in range(0, count, eval_size)]
+        self._eval_size = eval_batch_size or batch_size
+        self._val_count = val_batches * self._eval_size
+        self.val_dataset: MapDataset | None = None
+        self._val_batches: list[list[int]] = []
+        self._set_validation(val_dataset if not val_from_data else self._data_validation())
+
+    def _data_validation(self) -> MapDataset | None:
+        """The attached data's validation split (None: it has none)."""
+        split = getattr(self.data, "validation_view", None)
+        return split() if callable(split) else None
+
+    def _set_validation(self, dataset: MapDataset | None) -> None:
+        """Evaluate on ``dataset``: ``val_batches`` batches spread evenly over it."""
+        self.val_dataset = dataset
+        self._val_batches = []
+        if dataset is None or len(dataset) < 1:
+            self.val_dataset = None
+            return
+        count = min(len(dataset), self._val_count)
+        spread = [i * len(dataset) // count for i in range(count)]
+        size = self._eval_size
+        self._val_batches = [spread[i : i + size] for i in range(0, count, size)]
+
+    @property
+    def validation_missing(self) -> str | None:
+        """Why this workload has no validation data (None: it has some)."""
+        if self.val_dataset is not None:
+            return None
+        if self.data is None:
+            return (
+                f"workload {self.name!r} validates on the validation split of its prepared "
+                "data, which is not attached yet"
+            )
+        manifest = self.data.dataset_manifest()
+        return (
+            f"the prepared dataset {manifest.name!r} has no validation split, and workload "
+            f"{self.name!r} validates on nothing else (never on other data): prepare it "
+            "again with a split, p2ptrain data prepare SOURCE --out DIR --val-fraction 0.1 "
+            "(with the same other options)"
+        )
 
     @classmethod
     def from_loaders(
@@ -312,7 +371,8 @@ class TorchWorkload:
 
     @property
     def validation_samples(self) -> int:
-        """How many validation samples :meth:`evaluate` runs on."""
+        """How many validation samples :meth:`evaluate` runs on (0: none, see
+        :attr:`validation_missing`)."""
         return sum(len(batch) for batch in self._val_batches)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
@@ -347,8 +407,11 @@ class TorchWorkload:
         return self.data
 
     def use_data(self, pipeline: DataPipeline) -> None:
-        """Train on ``pipeline`` (a node attaches an experiment's prepared shards here)."""
+        """Train on ``pipeline`` (a node attaches an experiment's prepared shards here); a
+        workload that validates on the data's split (``val_from_data``) takes its split."""
         self.data = pipeline
+        if self.val_from_data:
+            self._set_validation(self._data_validation())
 
     def dataset_manifest(self) -> DatasetManifest:
         return self.pipeline.dataset_manifest()
@@ -362,15 +425,31 @@ class TorchWorkload:
         rows, the batch, the model's output and the loss; raises :class:`LocalError` saying
         what to change. Weights and optimizer state are left exactly as they were. Data that
         is not on this machine yet (prepared shards, a custom loader) is stood in for by the
-        validation set, whose rows have the same form."""
-        local = self.data is not None and self.data.kind in ("indexed", "generated")
-        source = self.train_dataset if local else self.val_dataset
+        validation set, whose rows have the same form, or else by ``example_rows``."""
+        source = self._dry_run_rows()
         indices = list(range(min(self._batch_size, len(source))))
         if not indices:
             raise LocalError("the training dataset is empty; training needs samples")
         check_rows(source, indices)
         batch = collate_rows(lambda rows: self.collate(rows, source), indices)
         return dry_run_batch(self.model, batch, self.batch_loss, self.autocast_dtype)
+
+    def _dry_run_rows(self) -> MapDataset:
+        """The first rows on this machine of: the training data, the validation data, the
+        example rows."""
+        if self.data is not None and self.data.kind in ("indexed", "generated"):
+            return self.train_dataset
+        sharded = self.data is not None and self.data.kind == "sharded"
+        candidates = [self.train_dataset] if sharded else []
+        candidates += [rows for rows in (self.val_dataset, self.example_rows) if rows is not None]
+        for rows in candidates:
+            if _on_this_machine(rows):
+                return rows
+        raise LocalError(
+            f"workload {self.name!r}: no training or validation rows are on this machine for "
+            "the dry run (its data comes from the network); give the workload example_rows "
+            "of the data's form"
+        )
 
     def train_window(
         self,
@@ -411,7 +490,11 @@ class TorchWorkload:
         return self.evaluate_model(self.model)
 
     def evaluate_model(self, model: nn.Module) -> float:
-        """Validation loss of ``model`` as it is (eval mode, no gradients, on its device)."""
+        """Validation loss of ``model`` as it is (eval mode, no gradients, on its device);
+        a :class:`LocalError` saying why when the workload has no validation data."""
+        dataset = self.val_dataset
+        if dataset is None:
+            raise LocalError(f"no validation loss: {self.validation_missing}")
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
@@ -419,7 +502,7 @@ class TorchWorkload:
         try:
             with torch.no_grad(), autocast_context(device, self.autocast_dtype):
                 for batch_indices in self._val_batches:
-                    batch = to_device(self.collate(batch_indices, self.val_dataset), device)
+                    batch = to_device(self.collate(batch_indices, dataset), device)
                     losses.append(self.batch_loss(model, batch).detach().float().reshape(()))
         finally:
             model.train(was_training)
@@ -461,6 +544,15 @@ def scale_learning_rates(
         raise LocalError(f"the learning-rate scale must be finite and >= 0, got {scale}")
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
         group["lr"] = base * scale
+
+
+def _on_this_machine(rows: MapDataset) -> bool:
+    """Whether the first row of ``rows`` can be read here (a prepared shard may still have
+    to be fetched)."""
+    try:
+        return len(rows) > 0 and rows[0] is not None
+    except ShardMissing:
+        return False
 
 
 def _check_map_style(role: str, dataset: object) -> None:

@@ -7,7 +7,7 @@
 (function () {
   const SVG_NS = "http://www.w3.org/2000/svg";
   const ROLES = ["seed", "reducer", "validator", "trainer", "viewer", "evaluator"];
-  const PHASES = ["train", "publish", "fetch", "reduce", "attest", "certify"];
+  const PHASES = ["wait", "train", "publish", "fetch", "reduce", "attest", "certify"];
   const CHAIN_HEADS = 20;
   const TIMELINE_WINDOWS = 30;
   const BYTES_WINDOWS = 40;

@@ -1,0 +1,23 @@
+"""A package's public names, imported from their modules when first asked for (PEP 562), so
+that importing the package costs nothing until a name is used: the commands that need no
+torch stay quick (``tests/unit/test_cli_no_torch.py``)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, module_of: Mapping[str, str]) -> Callable[[str], object]:
+    """The module ``__getattr__`` of ``package``: each name of ``module_of`` comes from
+    ``package.<its module>``."""
+
+    def attribute(name: str) -> object:
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{module}"), name)
+
+    return attribute
