@@ -14,9 +14,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2ptrain-installed
 DEV_STAMP := $(VENV)/.p2ptrain-dev-installed
 
-# The tests run on two pytest-xdist workers; a module of the real-process tiers stays on one
-# worker (tests/conftest.py), so its shared network starts once. README: Contributing.
-PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadgroup
+# The tests run on two pytest-xdist workers, each test file whole on one worker (so a
+# real-process module's shared network starts once). README: Contributing.
+PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 .PHONY: test check lint imports types unit demo bench bench-anchors clean
 

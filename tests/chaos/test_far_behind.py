@@ -307,7 +307,9 @@ def play(net: Net) -> Story:
     net.wait_ready(["seed"], READY_S)
     # everyone else at once (the trainers, slower to start, publish after the validator
     # listens; window 1's deadline, once passed empty, starts again at its first update)
-    net.start("validator-0", "validator")
+    # a window with one update waits for its deadline (--no-early-close): a trainer back
+    # from far behind publishes in time for its window, as the story expects
+    net.start("validator-0", "validator", args=["--no-early-close"])
     for name in ("trainer-0", TRAINER):
         net.start(name, "trainer")
     net.start(VIEWER, "viewer")

@@ -176,6 +176,7 @@ def test_metrics_agree_with_status_and_bytes_never_decrease(net: Net) -> None:
 def test_the_main_server_keeps_metrics_and_dashboard_apart_from_peers(net: Net) -> None:
     # the dashboard's data is served on an open network, and names the node's height
     seed = _address(net, "seed")
+    net.wait_height("seed", 1, 60)  # a window certified: the history shows it
     with urllib.request.urlopen(f"{seed}/api/snapshot", timeout=10) as answer:
         snapshot = json.loads(answer.read())
     assert snapshot["status"]["peer_id"] == net.status("seed")["peer_id"]

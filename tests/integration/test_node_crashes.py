@@ -127,7 +127,17 @@ class Story:
 
 def act_validator(story: Story) -> None:
     net = story.net
-    net.launch(validators=3, reducers=1, trainers=3, quorum=2, min_updates=2, windows=WINDOWS)
+    # a window without a trainer's update waits for its deadline (--no-early-close): the
+    # killed trainer comes back before the others run out of windows
+    net.launch(
+        validators=3,
+        reducers=1,
+        trainers=3,
+        quorum=2,
+        min_updates=2,
+        windows=WINDOWS,
+        extra_args=["--no-early-close"],
+    )
     net.wait_height("seed", 1, 40)
     outage = story.kill_mid_window("validator-0", lambda name: True)
     story.wait_certified_without(outage, OUTAGE_S)

@@ -47,7 +47,15 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         )
         net.start("seed", "seed", args=["--experiment-toml", str(path)])
         net.wait_ready(["seed"])
-        net.start("validator-0", "validator", program=FAULTY, env={FAULT_ENV: "tick:once"})
+        # every window runs to its deadline (not closed once the live trainers reported), so
+        # a trainer that fails and backs off is seen failing within a few windows
+        net.start(
+            "validator-0",
+            "validator",
+            program=FAULTY,
+            env={FAULT_ENV: "tick:once"},
+            args=["--no-early-close"],
+        )
         net.start("trainer-0", "trainer")
         net.start("trainer-1", "trainer", program=FAULTY, env={FAULT_ENV: "train:2"})
         net.start("trainer-2", "trainer", program=FAULTY, env={FAULT_ENV: "train:always"})

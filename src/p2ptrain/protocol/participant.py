@@ -343,6 +343,7 @@ class Participant(Follower):
             late = signed.record.window == w.base.window - 1
             if late and len(self._reporters_before) < self.manifest.window.max_updates:
                 self._reporters_before.add(signed.record.trainer)  # expected next time
+                self.heard_from(signed.record.trainer, now)
             return []  # stale or replayed: belongs in no cohort, nothing to count
         self.heard_from(signed.record.trainer, now)
         if not w.arrival and now >= w.deadline_at and not w.proposals:
