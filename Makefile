@@ -18,7 +18,7 @@ DEV_STAMP := $(VENV)/.p2ptrain-dev-installed
 # real-process module's shared network starts once). README: Contributing.
 PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
 
-.PHONY: test check lint imports types unit demo bench bench-anchors clean
+.PHONY: test check lint imports types unit anchors-or-skip demo bench bench-anchors clean
 
 # What the package and the demo need: a C compiler for the aggregation kernel, torch first
 # (TORCH_SPEC), the package with its `bench` and `hf` extras, and Shakespeare's plays.
@@ -65,12 +65,18 @@ types: $(DEV_STAMP)
 
 # The hivemind tests need .venv-anchors: installed here when it can be, skipped (with the
 # reason) when it cannot.
-unit: $(DEV_STAMP)
+anchors-or-skip:
 	@$(MAKE) --no-print-directory bench-anchors >/dev/null 2>&1 || \
 		echo "warning: hivemind did not install into $(ANCHORS_VENV); its tests will be skipped"
+
+unit: $(DEV_STAMP) anchors-or-skip
 	$(PYTEST) --durations=25
 
-test: lint imports types unit
+# The checks and hivemind's venv run two at a time (mypy and pip each keep one core busy),
+# each target's output together; then every test tier.
+test: $(DEV_STAMP)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports types anchors-or-skip
+	$(PYTEST) --durations=25
 
 check: lint imports types
 	$(PYTEST) tests/unit tests/sim

@@ -1,11 +1,12 @@
 """A node's disk stays bounded (DESIGN §6): a seed, a reducer, 2 validators (q = 2) and 2
-trainers certify 200 sub-second windows of the tiny char-GPT, and at every window the seed
-certifies, each node's blob store -- partial downloads, temporaries and everything else
-under ``<dir>/blobs`` included -- holds no more than its last K heads' weights and
-optimizer state (one more head while a new one arrives), a few windows' updates and the
-genesis weights. Each node keeps its own K (``--keep-heads``, 1 to 3). A partial download
-abandoned long ago and a blob nobody names, planted before the nodes start, are gone; the
-nodes' ``status.json`` counts the store's bytes and what was collected."""
+trainers certify 80 sub-second windows of the tiny char-GPT (some 15 times the heads and
+windows any node keeps), and at every window the seed certifies, each node's blob store --
+partial downloads, temporaries and everything else under ``<dir>/blobs`` included -- holds
+no more than its last K heads' weights and optimizer state (one more head while a new one
+arrives), a few windows' updates and the genesis weights. Each node keeps its own K
+(``--keep-heads``, 1 to 3). A partial download abandoned long ago and a blob nobody names,
+planted before the nodes start, are gone; the nodes' ``status.json`` counts the store's
+bytes and what was collected."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ __all__ = ["local_net"]  # the fixture
 
 pytestmark = pytest.mark.integration
 
-WINDOWS = 200
+WINDOWS = 80
 TRAINERS = 2
 #: Few inner steps: a window is mostly the protocol's round trips (a fraction of a second).
 INNER_STEPS = 2
@@ -76,7 +77,7 @@ def plant(data_dir: Path) -> tuple[str, str]:
     return stray, abandoned
 
 
-def test_every_node_keeps_its_store_bounded_for_200_windows(local_net: Net) -> None:
+def test_every_node_keeps_its_store_bounded_for_80_windows(local_net: Net) -> None:
     net = local_net
     started = time.monotonic()
     validators = ["validator-0", "validator-1"]

@@ -51,6 +51,7 @@ from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.state import StateStore
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
+from tests.support.forked_nodes import fork_launcher
 
 __all__ = [
     "TINY_CONFIG",
@@ -122,7 +123,9 @@ class Net:
 
     def __init__(self, workdir: Path, *, verbose: bool = False) -> None:
         self.workdir = workdir
-        self.network = LocalNetwork(workdir, python=_python(workdir, verbose))
+        self.network = LocalNetwork(
+            workdir, python=_python(workdir, verbose), launch=fork_launcher()
+        )
         self.roles: dict[str, str] = {}
         #: Every process ever started, the replaced ones of restarted nodes included.
         self.processes: list[NodeProcess] = []
@@ -489,8 +492,8 @@ class Net:
                     node.process.wait(timeout=10)
                 except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
                     continue
-                if node.process.stdout is not None:
-                    node.process.stdout.close()
+                if node.stdout is not None:
+                    node.stdout.close()
 
 
 # -- what a stopped node's data directory holds --------------------------------------------

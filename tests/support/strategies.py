@@ -41,7 +41,11 @@ from p2ptrain.core.records import (
 
 hex_ids = st.binary(min_size=0, max_size=16).map(lambda b: hashlib.sha256(b).hexdigest())
 keys = st.binary(min_size=32, max_size=32)
-names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,30}", fullmatch=True)
+_ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+#: ``[A-Za-z0-9][A-Za-z0-9._-]{0,30}``, drawn as two choices (a regex draws every character).
+names = st.builds(
+    str.__add__, st.sampled_from(_ALNUM), st.text(alphabet=_ALNUM + "._-", max_size=30)
+)
 texts = st.text(
     st.characters(codec="utf-8", categories=["L", "N", "P"], include_characters=" "), max_size=60
 )
@@ -49,7 +53,11 @@ finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinit
 addresses = st.builds(
     "{}://{}:{}".format,
     st.sampled_from(["http", "https"]),
-    st.from_regex(r"[a-z0-9][a-z0-9.\-]{0,20}", fullmatch=True),
+    st.builds(
+        str.__add__,
+        st.sampled_from(_ALNUM[26:]),
+        st.text(alphabet=_ALNUM[26:] + ".-", max_size=20),
+    ),
     st.integers(1, 65535),
 )
 config_values = st.one_of(st.booleans(), st.integers(-(2**40), 2**40), finite, texts)

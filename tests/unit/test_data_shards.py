@@ -147,3 +147,49 @@ def test_shakespeare_blocks_and_vocabulary() -> None:
     assert corpus.decode(first_val) == corpus.text[len(train) * 33 : len(train) * 33 + 32]
     with pytest.raises(IndexError):
         train[len(train)]
+
+
+class Stacked(Pairs):
+    """:class:`Pairs` with float features and an int64 label, and their stacked form
+    (``wrong``: one that does not hold the samples)."""
+
+    def __init__(self, n: int, wrong: bool = False) -> None:
+        super().__init__(n)
+        self.wrong = wrong
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        x, label = super().__getitem__(index)
+        return x, label
+
+    def stacked_samples(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.arange(start, stop)
+        x = torch.arange(3, dtype=torch.float32) + index[:, None].float()
+        labels = (index % 2) + (1 if self.wrong else 0)
+        return x, labels
+
+
+class OneByOne:
+    """``dataset`` without its stacked form: hashed sample by sample."""
+
+    def __init__(self, dataset: object) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> object:
+        return self.dataset[index]  # type: ignore[index]
+
+
+def test_stacked_samples_hash_like_the_samples_one_by_one() -> None:
+    stacked = dataset_manifest(Stacked(10), name="pairs", samples_per_shard=4)
+    assert stacked == dataset_manifest(OneByOne(Stacked(10)), name="pairs", samples_per_shard=4)
+    chars = ShakespeareChars(16)
+    assert dataset_manifest(chars, name="c", samples_per_shard=500) == dataset_manifest(
+        OneByOne(chars), name="c", samples_per_shard=500
+    )
+
+
+def test_stacked_samples_that_differ_from_the_samples_are_refused() -> None:
+    with pytest.raises(LocalError, match=r"stacked_samples\(0, 4\) does not hold"):
+        dataset_manifest(Stacked(10, wrong=True), name="pairs", samples_per_shard=4)

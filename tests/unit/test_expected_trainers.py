@@ -142,3 +142,17 @@ def test_after_the_deadline_it_names_the_proposal_it_waits_for() -> None:
     empty = _validator(reducers=(reducer.public_key,))
     empty.tick(100.0)
     assert empty.waiting_for(100.5).startswith("window 1: no update arrived by the deadline")
+
+
+def test_a_trainer_whose_update_came_after_its_window_closed_is_expected_next() -> None:
+    machine = _validator()
+    newcomer = TRAINERS[2]
+    machine._reporters_before = {t.public_key for t in TRAINERS[:2]}  # it just joined
+    machine._heard.pop(newcomer.public_key)
+    _deliver(machine, 0, 1.0)
+    assert _proposed(_deliver(machine, 1, 2.0))  # every expected trainer reported
+    assert machine.window == 2
+    _deliver(machine, 2, 2.5)  # its update for window 1 came late
+    line = machine.waiting_for(2.5)
+    assert line.startswith("window 2: 0 of 3 expected updates"), line
+    assert newcomer.peer_id[:12] in line

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -180,3 +181,16 @@ def test_the_hf_format_needs_an_hf_model(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(LocalError, match="needs a Hugging Face model"):
         write_hf_export(workload, workload.initial_weights(), tmp_path / "out", {})
+
+
+def test_whole_blocks_hash_stacked_like_row_by_row() -> None:
+    from p2ptrain.data.shakespeare import ShakespeareChars
+    from p2ptrain.data.shards import sample_bytes, shard_blob_id
+    from p2ptrain.torch.hf_causal_lm import _WholeBlocks
+
+    rows = _WholeBlocks(ShakespeareChars(15))
+    digest = hashlib.sha256(b"p2ptrain/v1/shard\n")
+    for index in range(100, 300):
+        for piece in sample_bytes(rows[index], index):
+            digest.update(piece)
+    assert shard_blob_id(rows, 100, 300) == digest.hexdigest()

@@ -334,7 +334,7 @@ class ChaosNetwork:
         if others:
             self.network.stop(others, timeout_s=STOP_TIMEOUT_S)
         for name in running:
-            if self.nodes[name].process.returncode == -signal.SIGKILL:
+            if self.nodes[name].process.poll() == -signal.SIGKILL:
                 notes.append(f"{name} did not stop within {STOP_TIMEOUT_S:.0f} s of SIGINT")
         self.pump(10.0, until=lambda: self._exited.issuperset(running))
         return notes
@@ -347,8 +347,8 @@ class ChaosNetwork:
                 node.process.send_signal(signal.SIGCONT)
                 node.process.send_signal(signal.SIGKILL)
             node.process.wait()
-            if node.process.stdout is not None:
-                node.process.stdout.close()
+            if node.stdout is not None:
+                node.stdout.close()
 
     # -- diagnosis ------------------------------------------------------------------------
 

@@ -133,3 +133,8 @@ class ShakespeareChars:
             raise IndexError(f"block {index} out of range (the split has {len(self)})")
         block = self._blocks[index].long()
         return block[:-1], block[1:]
+
+    def stacked_samples(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``start..stop-1`` stacked: what the shard hash reads in one piece."""
+        blocks = self._blocks[start:stop].long()
+        return blocks[:, :-1], blocks[:, 1:]

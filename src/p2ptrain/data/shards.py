@@ -24,13 +24,20 @@ order in which a dataset builds its dict does not matter. Python bools hash as b
 ints as int64 and floats as float64, so ``(image, label)`` samples hash the same on every
 machine. A shard's ``blob_id`` hashes ``b"p2ptrain/v1/shard\n"`` and then its samples in
 index order.
+
+A dataset whose samples are tuples of same-shaped tensors (or single tensors) may also offer
+``stacked_samples(start, stop)``: the parts of samples ``start..stop-1`` stacked along a new
+first dimension. The shard's bytes are then built in one piece instead of sample by sample
+(the same bytes: the first sample of every shard is checked against ``dataset[start]``), so
+a corpus of 10^5 blocks hashes in a fraction of a second instead of seconds, in every seed
+and trainer that starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -120,9 +127,41 @@ def sample_bytes(sample: object, index: int = 0) -> list[bytes]:
     return pieces
 
 
+def _stacked_bytes(parts: Sequence[torch.Tensor], start: int, stop: int) -> bytes:
+    """The canonical bytes of samples ``start..stop-1`` given as stacked ``parts``."""
+    count = stop - start
+    rows = [torch.frombuffer(bytearray(b"sample %d\n" % len(parts)), dtype=torch.uint8)]
+    columns = [rows[0].expand(count, -1)]
+    for k, part in enumerate(parts):
+        if not isinstance(part, torch.Tensor) or part.dim() < 1 or part.shape[0] != count:
+            raise LocalError(
+                f"stacked_samples({start}, {stop}) returned part {k} as "
+                f"{getattr(part, 'shape', type(part).__name__)}; each part must be a tensor "
+                f"whose first dimension is the {count} samples"
+            )
+        header = _part_bytes(part[0])[0]
+        columns.append(torch.frombuffer(bytearray(header), dtype=torch.uint8).expand(count, -1))
+        if part[0].numel():
+            flat = part.detach().cpu().contiguous().reshape(count, -1)
+            columns.append(flat.view(torch.uint8))
+    return bytes(torch.cat(columns, dim=1).numpy().tobytes())
+
+
 def shard_blob_id(dataset: MapDataset, start: int, stop: int) -> str:
     """SHA-256 hex of the canonical bytes of samples ``start..stop-1``, in index order."""
     digest = hashlib.sha256(b"p2ptrain/v1/shard\n")
+    stacked = getattr(dataset, "stacked_samples", None)
+    if callable(stacked) and stop > start:
+        whole = _stacked_bytes(stacked(start, stop), start, stop)
+        first = b"".join(sample_bytes(dataset[start], start))
+        if not whole.startswith(first) or len(whole) != len(first) * (stop - start):
+            raise LocalError(
+                f"{type(dataset).__name__}.stacked_samples({start}, {stop}) does not hold "
+                f"the samples dataset[{start}..{stop - 1}] returns; fix it or remove it "
+                "(the samples are then hashed one by one)"
+            )
+        digest.update(whole)
+        return digest.hexdigest()
     for index in range(start, stop):
         for piece in sample_bytes(dataset[index], index):
             digest.update(piece)

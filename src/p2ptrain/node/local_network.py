@@ -10,6 +10,10 @@ process's stream with an :class:`~.events.Exited`; its stderr goes to ``logs/<na
 Stopping sends SIGINT (a node stops cleanly) and escalates to SIGKILL only for a node that
 does not exit in time. On Linux a node started from the main thread is also SIGKILLed by the
 kernel when this process ends without stopping it (killed, crashed): :mod:`.parent_death`.
+
+How a node's process starts is a :data:`Launcher`: by default a new interpreter
+(:func:`start_process`); the test suite passes one that forks nodes from a server that has
+imported torch and the node stack once (the same command, a fraction of the start-up).
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from p2ptrain.errors import LocalError
 from p2ptrain.node.events import Exited, NodeEvent, Ready, decode_event
 from p2ptrain.node.parent_death import bound_to_this_process
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
-__all__ = ["LocalNetwork", "NodeProcess", "experiment_toml"]
+__all__ = [
+    "ChildProcess",
+    "Launcher",
+    "LocalNetwork",
+    "NodeProcess",
+    "experiment_toml",
+    "start_process",
+]
 
 _ROLE_COMMAND = {
     "seed": "seed",
@@ -43,14 +54,51 @@ _ROLE_COMMAND = {
 }
 
 
+class ChildProcess(Protocol):
+    """What a network needs of a node's process (a :class:`subprocess.Popen` is one)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+#: Starts ``command`` with ``environment``, stdin from /dev/null, stdout to a pipe (returned
+#: with the process) and stderr to ``log``, in a session of its own; ends it with this
+#: process where it can.
+Launcher = Callable[[Sequence[str], Mapping[str, str], IO[bytes]], tuple[ChildProcess, IO[bytes]]]
+
+
+def start_process(
+    command: Sequence[str], environment: Mapping[str, str], log: IO[bytes]
+) -> tuple[ChildProcess, IO[bytes]]:
+    """The default :data:`Launcher`: a new interpreter running ``command``."""
+    process = subprocess.Popen(
+        bound_to_this_process(command),  # it dies with us (Linux)
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=dict(environment),
+        start_new_session=True,  # Ctrl-C in the terminal reaches us, not them
+    )
+    assert process.stdout is not None
+    return process, process.stdout
+
+
 @dataclass
 class NodeProcess:
     name: str
     #: Its roles, the first one naming it (``seed``, ``trainer``, ...).
     roles: tuple[str, ...]
     data_dir: Path
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     log: Path
+    #: Its stdout (its JSON events), read by the network's thread for it.
+    stdout: IO[bytes] | None = None
     ready: Ready | None = None
 
     @property
@@ -171,9 +219,12 @@ def window_seconds(
 class LocalNetwork:
     """Processes of one local network, their events, and their orderly end."""
 
-    def __init__(self, workdir: Path, *, python: str = sys.executable) -> None:
+    def __init__(
+        self, workdir: Path, *, python: str = sys.executable, launch: Launcher = start_process
+    ) -> None:
         self.workdir = workdir
         self.python = python
+        self.launch = launch
         self.events: queue.Queue[tuple[str, NodeEvent]] = queue.Queue()
         self.nodes: dict[str, NodeProcess] = {}
         self.seed: NodeProcess | None = None
@@ -234,19 +285,11 @@ class LocalNetwork:
         log = self.workdir / "logs" / f"{name}.log"
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log, "ab") as log_file:
-            process = subprocess.Popen(
-                bound_to_this_process(command),  # it dies with us (Linux)
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log_file,
-                env=environment,
-                start_new_session=True,  # Ctrl-C in the terminal reaches us, not them
-            )
-        node = NodeProcess(name, roles, self.workdir / name, process, log)
+            process, stdout = self.launch(command, environment, log_file)
+        node = NodeProcess(name, roles, self.workdir / name, process, log, stdout)
         self.nodes[name] = node
-        assert process.stdout is not None
         threading.Thread(
-            target=self._read, args=(name, process.stdout), name=f"events-{name}", daemon=True
+            target=self._read, args=(name, stdout), name=f"events-{name}", daemon=True
         ).start()
         if "seed" in roles:
             self.seed = node

@@ -79,6 +79,9 @@ __all__ = ["SYNC_EVERY_SLOTS", "Participant", "ParticipantStatistics"]
 
 #: A participant still waiting asks its peers what the window holds every this many slots.
 SYNC_EVERY_SLOTS = 2
+#: An update for one of this many windows before the open one (come after its window
+#: closed) makes its trainer expected in the open window (docs/protocol.md: early close).
+LATE_WINDOWS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +343,11 @@ class Participant(Follower):
             return []
         verdict = belongs_to_window(self.experiment_id, w.base, signed.record, w.bases)
         if not verdict:
-            late = signed.record.window == w.base.window - 1
+            # an update for one of the last few windows, come after it closed: its trainer
+            # is training with us, but slower than this network's windows (it just joined
+            # or came back); expected from now on, or early closes never wait for it
+            behind = w.base.window - signed.record.window
+            late = 1 <= behind <= LATE_WINDOWS
             if late and len(self._reporters_before) < self.manifest.window.max_updates:
                 self._reporters_before.add(signed.record.trainer)  # expected next time
                 self.heard_from(signed.record.trainer, now)

@@ -190,6 +190,11 @@ class _WholeBlocks:
         inputs, targets = self.chars[index]
         return torch.cat((inputs, targets[-1:]))
 
+    def stacked_samples(self, start: int, stop: int) -> tuple[torch.Tensor]:
+        """Rows ``start..stop-1`` stacked: what the shard hash reads in one piece."""
+        inputs, targets = self.chars.stacked_samples(start, stop)
+        return (torch.cat((inputs, targets[:, -1:]), dim=1),)
+
 
 def _checked(key: str, given: ConfigValue) -> ConfigValue:
     default = DEFAULT_CONFIG[key]
