@@ -19,23 +19,14 @@ import pytest
 
 from tests.support.bad_endpoints import Trickling
 from tests.support.liveness import certify, end_on_one_head, paced_net
-from tests.support.local_net import VERBOSE_ENV, Net
+from tests.support.local_net import Net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 DEADLINE_S = 2.0
 JOIN_S = 10.0
-#: ``python -c`` program: ``p2ptrain ARGS`` with ``--bootstrap FIRST`` before the other
-#: ``--bootstrap`` flags (the harness names the seed itself), and ``-v`` when the harness
-#: runs its nodes with debug logs.
-BOOTSTRAP_FIRST = (
-    "import os, runpy, sys\n"
-    "first, *args = sys.argv[1:]\n"
-    "at = args.index('--bootstrap')\n"
-    f"verbose = ['-v'] if os.environ.get({VERBOSE_ENV!r}) else []\n"
-    "sys.argv = ['p2ptrain', *verbose, *args[:at], '--bootstrap', first, *args[at:]]\n"
-    "runpy.run_module('p2ptrain', run_name='__main__', alter_sys=True)\n"
-)
+#: The viewer's program: ``p2ptrain`` with the trickling address as its first bootstrap.
+BOOTSTRAP_FIRST = [sys.executable, "-m", "tests.support.bootstrap_first"]
 
 
 net = paced_net("trickling-bootstrap", validators=2, deadline_s=DEADLINE_S)
@@ -55,9 +46,7 @@ def test_a_trickling_first_bootstrap_does_not_hold_a_viewer_up(
 
     height = net.heights["seed"]
     started = time.monotonic()
-    net.start(
-        "viewer", "viewer", program=[sys.executable, "-c", BOOTSTRAP_FIRST, trickling.address]
-    )
+    net.start("viewer", "viewer", program=[*BOOTSTRAP_FIRST, trickling.address])
     net.note(
         f"viewer started with --bootstrap {trickling.address} first, the network at height {height}"
     )

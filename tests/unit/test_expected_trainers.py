@@ -9,6 +9,7 @@ from p2ptrain.core.records import Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.policy import ParticipantPolicy
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.workloads import SyntheticWorkload
 from tests.support.builders import identity, synthetic_experiment
@@ -152,7 +153,9 @@ def test_a_trainer_whose_update_came_after_its_window_closed_is_expected_next() 
     _deliver(machine, 0, 1.0)
     assert _proposed(_deliver(machine, 1, 2.0))  # every expected trainer reported
     assert machine.window == 2
-    _deliver(machine, 2, 2.5)  # its update for window 1 came late
+    # its update for window 1 came late: announced (the policy fetches no blob for it)
+    effects = ParticipantPolicy(machine).record(2.5, UPDATES[2][0], len(UPDATES[2][1]))
+    assert effects == []
     line = machine.waiting_for(2.5)
     assert line.startswith("window 2: 0 of 3 expected updates"), line
     assert newcomer.peer_id[:12] in line

@@ -335,6 +335,18 @@ class Participant(Follower):
 
     # --- inputs --------------------------------------------------------------------------
 
+    def late_update(self, now: float, signed: Signed[Update]) -> None:
+        """An update (its envelope verified) for a window before the open one. One for the
+        last :data:`LATE_WINDOWS` windows came after its window closed: its trainer trains
+        with us, but slower than this network's windows (it just joined, or came back), and
+        is expected from now on, or windows that close early would never wait for it."""
+        behind = self._window.base.window - signed.record.window
+        if not 1 <= behind <= LATE_WINDOWS:
+            return
+        if len(self._reporters_before) < self.manifest.window.max_updates:
+            self._reporters_before.add(signed.record.trainer)
+            self.heard_from(signed.record.trainer, now)
+
     def receive_update(self, now: float, signed: Signed[Update], blob: bytes) -> list[Action]:
         """An update (its envelope verified) with its blob."""
         w = self._window
@@ -343,14 +355,7 @@ class Participant(Follower):
             return []
         verdict = belongs_to_window(self.experiment_id, w.base, signed.record, w.bases)
         if not verdict:
-            # an update for one of the last few windows, come after it closed: its trainer
-            # is training with us, but slower than this network's windows (it just joined
-            # or came back); expected from now on, or early closes never wait for it
-            behind = w.base.window - signed.record.window
-            late = 1 <= behind <= LATE_WINDOWS
-            if late and len(self._reporters_before) < self.manifest.window.max_updates:
-                self._reporters_before.add(signed.record.trainer)  # expected next time
-                self.heard_from(signed.record.trainer, now)
+            self.late_update(now, signed)
             return []  # stale or replayed: belongs in no cohort, nothing to count
         self.heard_from(signed.record.trainer, now)
         if not w.arrival and now >= w.deadline_at and not w.proposals:

@@ -312,6 +312,9 @@ class ParticipantPolicy(RolePolicy):
             )
             return []  # refused when full: a proposal names it, and it is fetched then
         if isinstance(record, Update):
+            if window and window < self.machine.window:
+                self.machine.late_update(now, signed)  # its trainer is expected; no fetch
+                return []
             return self._update(signed)
         if isinstance(record, Proposal):
             return self._proposal(now, signed)
