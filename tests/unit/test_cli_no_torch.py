@@ -9,6 +9,8 @@ each checked as it ends, so a module is blamed on the first command that brought
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -23,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.cli.commands import COMMANDS
 from p2ptrain.cli.main import build_parser
 from p2ptrain.core.envelope import seal
 from p2ptrain.core.experiment_config import experiment_from_toml
@@ -81,14 +84,26 @@ class Ran:
     stderr: str
 
 
-def _command(report: Path, argvs: Sequence[Sequence[str]]) -> list[str]:
+#: What ``--version`` and ``--help`` must not import either: any command's module, and the
+#: packages those bring (signatures, records).
+NO_COMMAND = (
+    *FORBIDDEN,
+    *sorted({f"p2ptrain.cli.{command.module}" for command in COMMANDS.values()}),
+    "cryptography",
+    "msgspec",
+)
+
+
+def _command(
+    report: Path, argvs: Sequence[Sequence[str]], forbidden: Sequence[str] = FORBIDDEN
+) -> list[str]:
     return [
         sys.executable,
         "-c",
         RUNNER,
         str(report),
         json.dumps([list(argv) for argv in argvs]),
-        json.dumps(FORBIDDEN),
+        json.dumps(list(forbidden)),
     ]
 
 
@@ -104,12 +119,13 @@ def _checked(report: Path, stdout: str, stderr: str) -> list[dict[str, Any]]:
     return ran
 
 
-def run_fresh(tmp_path: Path, *argvs: Sequence[str]) -> Ran:
-    """Each argv in turn in one fresh interpreter; the exit code of the last."""
+def run_fresh(tmp_path: Path, *argvs: Sequence[str], forbidden: Sequence[str] = FORBIDDEN) -> Ran:
+    """Each argv in turn in one fresh interpreter, which must not import ``forbidden``; the
+    exit code of the last."""
     report = tmp_path / "report.json"
     report.unlink(missing_ok=True)
     completed = subprocess.run(
-        _command(report, argvs),
+        _command(report, argvs, forbidden),
         capture_output=True,
         text=True,
         timeout=60,
@@ -138,11 +154,31 @@ def _help_runs() -> list[list[list[str]]]:
 HELP_RUNS = _help_runs()
 
 
-def test_version_and_help(tmp_path: Path) -> None:
-    version = run_fresh(tmp_path, ["--version"])
+def test_version_and_help_import_no_command(tmp_path: Path) -> None:
+    version = run_fresh(tmp_path, ["--version"], forbidden=NO_COMMAND)
     assert (version.code, version.stdout.split()[0]) == (0, "p2ptrain")
-    shown = run_fresh(tmp_path, ["--help"])
-    assert shown.code == 0 and "status" in shown.stdout
+    shown = run_fresh(tmp_path, ["--help"], forbidden=NO_COMMAND)
+    assert shown.code == 0
+    assert shown.stdout == _help_of(build_parser())
+
+
+def _help_of(parser: Any) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        parser.print_help()
+    return out.getvalue()
+
+
+def test_every_command_is_registered_with_its_module() -> None:
+    """The registry names each command's module, and each module defines only its own."""
+    defined = _subcommands(build_parser())
+    assert list(defined) == list(COMMANDS)
+    for name, command in COMMANDS.items():
+        alone = _subcommands(build_parser([name]))
+        assert alone[name].format_help() == defined[name].format_help(), name
+        own = {n for n, c in COMMANDS.items() if c.module == command.module}
+        complete = {n for n, p in alone.items() if p.format_help() == defined[n].format_help()}
+        assert complete == own, f"{command.module} defines {sorted(complete)}"
 
 
 @pytest.mark.parametrize("argvs", HELP_RUNS, ids=[run[0][0] for run in HELP_RUNS])

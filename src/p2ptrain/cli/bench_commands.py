@@ -7,11 +7,12 @@ import json
 import sys
 from typing import Any
 
+from p2ptrain.cli.commands import add_command
 from p2ptrain.cli.usage import show_usage
 
 
-def add_parsers(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="run a benchmark")
+def add_parsers(commands: Any, data_dir: str) -> None:
+    bench = add_command(commands, "bench")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     store = sub.add_parser(
         "store",

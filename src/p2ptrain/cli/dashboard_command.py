@@ -12,13 +12,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser"]
+from p2ptrain.cli.commands import add_command
+
+__all__ = ["add_parsers"]
 
 
-def add_parser(commands: Any, data_dir: str) -> None:
-    parser = commands.add_parser(
+def add_parsers(commands: Any, data_dir: str) -> None:
+    parser = add_command(
+        commands,
         "dashboard",
-        help="serve the live dashboard of a node's data directory",
         description="Serve the dashboard (peers, certified chain, window timeline, loss and "
         "bytes) of the node whose data directory is given, read from the files it keeps; "
         "open the printed address in a browser.",

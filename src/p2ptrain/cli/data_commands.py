@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from p2ptrain.cli.commands import add_command
+from p2ptrain.cli.status_text import mib
 from p2ptrain.cli.usage import show_usage
 from p2ptrain.data.prepare import (
     DEFAULT_SHARD_BYTES,
@@ -19,10 +21,8 @@ from p2ptrain.data.prepare import (
 from p2ptrain.errors import LocalError
 
 
-def add_parsers(commands: Any) -> None:
-    data = commands.add_parser(
-        "data", help="prepare a dataset as shard files that peers fetch by hash"
-    )
+def add_parsers(commands: Any, data_dir: str) -> None:
+    data = add_command(commands, "data")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     prepare = sub.add_parser(
         "prepare",
@@ -89,11 +89,6 @@ def add_parsers(commands: Any) -> None:
 
 def _experiment_lines(dataset: PreparedDataset) -> str:
     return f"[data]\nprepared = {json.dumps(str(dataset.path))}"
-
-
-def mib(size: int) -> str:
-    """``size`` bytes in MiB, for people."""
-    return f"{size / (1 << 20):,.1f} MiB"
 
 
 def _show_progress(progress: PrepareProgress) -> None:

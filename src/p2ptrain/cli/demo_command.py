@@ -41,6 +41,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from p2ptrain.cli.commands import add_command
 from p2ptrain.core.manifests import MAX_STALENESS
 from p2ptrain.errors import DataDirInUse, LocalError
 from p2ptrain.node.events import (
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from p2ptrain.cli.demo_experiment import DemoExperiment
     from p2ptrain.node.local_network import LocalNetwork
 
-__all__ = ["add_parser", "run_demo"]
+__all__ = ["add_parsers", "run_demo"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOSS_PNG = "loss.png"
@@ -64,12 +65,12 @@ LOSS_PNG = "loss.png"
 SIGNAL_STOP_S = 5.0
 
 
-def add_parser(commands: Any) -> None:
+def add_parsers(commands: Any, data_dir: str) -> None:
     from p2ptrain.torch.demo_settings import DEMO_DEFAULTS
 
-    demo = commands.add_parser(
+    demo = add_command(
+        commands,
         "demo",
-        help="run a whole local network training a real model (about 5 minutes)",
         description="Start a seed, a reducer, 3 validators (quorum 2) and 4 trainers as "
         "separate processes on loopback, train a character-level GPT on Shakespeare with "
         "DiLoCo, then compare the certified model with a DDP-equivalent baseline.",

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from p2ptrain.cli.commands import add_command
 from p2ptrain.cli.usage import show_usage
 from p2ptrain.core.envelope import open_envelope, seal
 from p2ptrain.core.experiment_config import (
@@ -45,9 +46,7 @@ _INNER_STEPS: int = next(
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
-    experiment = commands.add_parser(
-        "experiment", help="create and inspect signed experiment manifests"
-    )
+    experiment = add_command(commands, "experiment")
     sub = experiment.add_subparsers(dest="experiment_command", metavar="SUBCOMMAND")
 
     template = sub.add_parser(

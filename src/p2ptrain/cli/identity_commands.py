@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from p2ptrain.cli.commands import add_command
 from p2ptrain.store.keyfile import create_identity, load_identity
 
 if TYPE_CHECKING:
@@ -13,9 +14,9 @@ if TYPE_CHECKING:
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
-    init = commands.add_parser(
+    init = add_command(
+        commands,
         "init",
-        help="create a data directory with a new identity",
         description="Create a data directory with a new Ed25519 identity (identity.key, "
         "mode 0600), an empty blob store and state database, and print the peer id. "
         "An existing identity is never overwritten.",
@@ -24,9 +25,9 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     init.add_argument("--json", action="store_true", help="print JSON")
     init.set_defaults(handler=run_init)
 
-    show = commands.add_parser(
+    show = add_command(
+        commands,
         "identity",
-        help="print the peer id and public key of a data directory",
         description="Print the peer id and public key of an existing data directory.",
     )
     show.add_argument("--dir", default=data_dir, help=f"data directory (default: {data_dir})")

@@ -1,9 +1,11 @@
 """The ``p2ptrain`` command. Only this package reads argv and the environment.
 
-The command modules define their options with light imports only; torch, the node's
-runtime, the simulator and the benchmarks are imported by the handlers that use them, so
-``--version``, ``--help`` and the commands that only read files or ask a node (``status``,
-``identity``, ``dashboard``, ``experiment show``, ``data show``) import none of them
+Only the module of the command being run is imported (:mod:`p2ptrain.cli.commands`); the
+others are listed by name and summary, so ``--version`` and ``--help`` import no command
+module. The command modules define their options with light imports only; torch, the
+node's runtime, the simulator and the benchmarks are imported by the handlers that use them,
+so the commands that only read files or ask a node (``status``, ``identity``,
+``dashboard``, ``experiment show``, ``data show``) import none of them
 (``tests/unit/test_cli_no_torch.py``). The handlers that aggregate install the C kernel
 themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`).
 """
@@ -11,6 +13,7 @@ themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -18,16 +21,7 @@ import traceback
 from collections.abc import Sequence
 
 from p2ptrain import __version__
-from p2ptrain.cli import (
-    bench_commands,
-    dashboard_command,
-    data_commands,
-    demo_command,
-    experiment_commands,
-    identity_commands,
-    node_commands,
-    sim_commands,
-)
+from p2ptrain.cli.commands import COMMANDS
 from p2ptrain.errors import LocalError, P2PTrainError
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
@@ -38,7 +32,9 @@ def default_data_dir() -> str:
     return os.environ.get("P2PTRAIN_DIR") or DEFAULT_DATA_DIR
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of the command ``argv`` names, every other command only listed; without
+    ``argv``, of every command."""
     parser = argparse.ArgumentParser(
         prog="p2ptrain",
         description="Train one PyTorch model together on many untrusted computers.",
@@ -53,20 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     data_dir = default_data_dir()
-    demo_command.add_parser(commands)
-    identity_commands.add_parsers(commands, data_dir)
-    node_commands.add_parsers(commands, data_dir)
-    dashboard_command.add_parser(commands, data_dir)
-    experiment_commands.add_parsers(commands, data_dir)
-    bench_commands.add_parsers(commands)
-    sim_commands.add_parsers(commands)
-    data_commands.add_parsers(commands)
+    named = COMMANDS.get(_command_named(argv) or "")
+    for name, command in COMMANDS.items():
+        if name in commands.choices:
+            continue  # its module defined it with the command before
+        if argv is None or (named is not None and command.module == named.module):
+            module = importlib.import_module(f"p2ptrain.cli.{command.module}")
+            module.add_parsers(commands, data_dir)
+        else:
+            commands.add_parser(name, help=command.summary)
     return parser
+
+
+def _command_named(argv: Sequence[str] | None) -> str | None:
+    """The command in ``argv``: its first word that is not an option (p2ptrain's own
+    options take no value)."""
+    return next((word for word in argv or () if not word.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(args, "log_level", logging.WARNING),

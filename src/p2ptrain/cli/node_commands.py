@@ -20,8 +20,8 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.cli.data_commands import mib
-from p2ptrain.cli.status_text import store_text, tallies, validation_text
+from p2ptrain.cli.commands import add_command, summary
+from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.core.records import ROLES
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.node.events import (
@@ -42,12 +42,13 @@ from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 if TYPE_CHECKING:  # the node's runtime (torch) is imported by the commands that run one
     from p2ptrain.node.setup import NodeSettings
 
+#: The commands that run a node of one role.
 _NODE_COMMANDS = {
-    "seed": ("seed", "run a seed: entry point, relay and blob cache; creates a network"),
-    "train": ("trainer", "train windows of an experiment and publish updates"),
-    "validate": ("validator", "re-check every window and attest the next canonical head"),
-    "reduce": ("reducer", "aggregate each window's updates and propose the next head"),
-    "view": ("viewer", "follow the certified chain and keep the canonical model (to export)"),
+    "seed": "seed",
+    "train": "trainer",
+    "validate": "validator",
+    "reduce": "reducer",
+    "view": "viewer",
 }
 _SERVING_ROLES = ("seed", "validator", "reducer")
 _CONFIG_KEYS = {
@@ -81,9 +82,9 @@ _EVALUATING = (None, "validator", "viewer")
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
-    node = commands.add_parser(
+    node = add_command(
+        commands,
         "node",
-        help="run a node holding one or more roles (--role trainer --role validator)",
         description="Run one node holding every role given with --role (one identity, data "
         "directory, server and store): three friends can each train and validate.",
     )
@@ -96,14 +97,14 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     _node_arguments(node, data_dir, None)
     node.set_defaults(handler=run_node_command)
-    for command, (role, help_text) in _NODE_COMMANDS.items():
-        parser = commands.add_parser(command, help=help_text, description=help_text + ".")
+    for command, role in _NODE_COMMANDS.items():
+        parser = add_command(commands, command, description=summary(command) + ".")
         _node_arguments(parser, data_dir, role)
         parser.set_defaults(handler=run_node_command, roles=[role])
 
-    status = commands.add_parser(
+    status = add_command(
+        commands,
         "status",
-        help="show a node's peers, head height and last window",
         description="Show the status of a node: a data directory (any role, read from its "
         "status file) or the address of a reachable node (asked over HTTP).",
     )
@@ -126,9 +127,9 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     status.set_defaults(handler=run_status)
 
-    export = commands.add_parser(
+    export = add_command(
+        commands,
         "export",
-        help="write the canonical model as safetensors with its config",
         description="Write the weights of the last certified head held in a data directory "
         "as a safetensors file (metadata: experiment, height, head id, workload) and its "
         "config as JSON beside it.",
@@ -152,9 +153,9 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     export.add_argument("--json", action="store_true", help="print JSON")
     export.set_defaults(handler=run_export)
 
-    evaluate = commands.add_parser(
+    evaluate = add_command(
+        commands,
         "evaluate",
-        help="evaluate a certified head locally and compare with the evaluators' reports",
         description="Verify the chain stored in a data directory, evaluate one of its heads "
         "(default: the tip) on the experiment's validation data with the experiment's "
         "workload, and print the local loss next to every stored metrics report of that "

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from p2ptrain.cli.commands import add_command
 from p2ptrain.errors import LocalError
 
 
@@ -46,12 +47,12 @@ def _slow(text: str) -> Any:
         ) from None
 
 
-def add_parsers(commands: Any) -> None:
+def add_parsers(commands: Any, data_dir: str) -> None:
     from p2ptrain.sim.scenario import ADVERSARIES
 
-    sim = commands.add_parser(
+    sim = add_command(
+        commands,
         "sim",
-        help="simulate a whole network (virtual time) on the real protocol code",
         description="Run trainers, reducers and validators on a virtual network with the real "
         "protocol, aggregation and signatures; check the safety invariants; report per window. "
         "Nodes are named t0.. (trainers), v0.. (validators), r0.. (reducers), x-* (adversaries).",

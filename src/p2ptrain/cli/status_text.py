@@ -3,8 +3,13 @@ shows, in the same words: one function per fact, each the text after its label."
 
 from __future__ import annotations
 
-from p2ptrain.cli.data_commands import mib
 from p2ptrain.node.status import NodeStatus, ValidationMetrics
+
+
+def mib(size: int) -> str:
+    """``size`` bytes in MiB, for people."""
+    return f"{size / (1 << 20):,.1f} MiB"
+
 
 __all__ = ["store_text", "tallies", "validation_text"]
 

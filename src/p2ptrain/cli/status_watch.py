@@ -23,8 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from p2ptrain.cli.data_commands import mib
-from p2ptrain.cli.status_text import store_text, tallies, validation_text
+from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.errors import P2PTrainError
 from p2ptrain.node.status import NodeStatus
 
