@@ -1,5 +1,6 @@
-"""Nodes far behind the network catch up: more than a catch-up answer's 256 links, past
-heads whose blobs every node collected long ago.
+"""Nodes far behind the network catch up: more than a catch-up answer's links
+(:data:`~p2ptrain.protocol.chain.MAX_LINKS_PER_PAGE`), past heads whose blobs every node
+collected long ago.
 
 A seed, one validator (q = 1, it proposes too), two trainers (a window takes one update and
 closes once every trainer that reported in the window before has reported) and a viewer
@@ -12,9 +13,9 @@ again on their data directories. Once ready, each must reach the network's tip (
 height) within :data:`CATCH_UP_S`, and the first update the trainer publishes after that
 must be accepted into the head of its window (if it was left out for coming after its window
 closed, the next one: the window a trainer back from far behind first reports in closes
-without waiting for it, as it did not report in the window before). When the network is
-past height :data:`FRESH_AT`, a new viewer joins and must reach the tip within
-:data:`CATCH_UP_S` too. While each of the three was behind, its status (``status.json``,
+without waiting for it, as it did not report in the window before). Then a new viewer
+joins, more than a catch-up page behind too, and must reach the tip within
+:data:`CATCH_UP_S`. While each of the three was behind, its status (``status.json``,
 this life's) must have said so: a role's ``last_reason`` starting with "catching up", or the
 ``catching_up`` event the node sends when it writes that status (or a warning in its log
 saying it).
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from p2ptrain.node.local_network import experiment_toml
+from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE
 from tests.support.local_net import TINY_CONFIG, Net, new_net
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(1200)]
@@ -49,10 +51,9 @@ DEADLINE_S = 0.5
 PROPOSAL_S = 1.0
 #: The validator and the trainers have certified a few windows together before the faults.
 WARM_HEIGHTS = 3
-#: The stopped nodes stay down until the network is this many heights above their own.
-DOWN_HEIGHTS = 300
-#: A new viewer joins once the seed is at this height.
-FRESH_AT = 600
+#: The stopped nodes stay down until the network is this many heights above their own: more
+#: than one catch-up answer brings.
+DOWN_HEIGHTS = MAX_LINKS_PER_PAGE + 20
 #: From ready to the network's tip.
 CATCH_UP_S = 30.0
 #: Generous time per height the network certifies (sub-second when all is well).
@@ -346,8 +347,6 @@ def play(net: Net) -> Story:
     if VIEWER not in net.exited:
         net.stop([VIEWER])  # its part is played: fewer processes, faster windows
 
-    per_height = _wait_seed(net, FRESH_AT)
-    story.timing(f"{per_height:.2f} s a height on the way to {FRESH_AT}")
     story.returns.update(_come_back(net, [NEWCOMER], {NEWCOMER: "viewer"}))
     for name in ("trainer-0", TRAINER):
         story.timing(_publish_lag(net, name))
@@ -374,13 +373,13 @@ def _check_caught_up(story: Story, name: str) -> None:
     )
 
 
-def test_a_viewer_down_for_300_heights_catches_up(story: Story) -> None:
+def test_a_viewer_down_for_more_than_a_catch_up_page_catches_up(story: Story) -> None:
     back = story.returns[VIEWER]
     assert back.tip - back.height > DOWN_HEIGHTS, back.describe()
     _check_caught_up(story, VIEWER)
 
 
-def test_a_trainer_down_for_300_heights_catches_up_and_its_next_update_is_accepted(
+def test_a_trainer_down_for_more_than_a_catch_up_page_catches_up_and_is_accepted(
     story: Story,
 ) -> None:
     back = story.returns[TRAINER]
@@ -398,9 +397,9 @@ def test_a_trainer_down_for_300_heights_catches_up_and_its_next_update_is_accept
     )
 
 
-def test_a_new_viewer_joins_a_network_past_height_600(story: Story) -> None:
+def test_a_new_viewer_joins_a_network_more_than_a_catch_up_page_high(story: Story) -> None:
     back = story.returns[NEWCOMER]
-    assert back.tip >= FRESH_AT, back.describe()
+    assert back.tip > MAX_LINKS_PER_PAGE, back.describe()
     _check_caught_up(story, NEWCOMER)
 
 

@@ -3,8 +3,9 @@
 * A running node holds its data directory: a second node on it exits 2 with one line naming
   the holder's pid, and ``p2ptrain demo`` refuses to wipe a work dir where a node runs.
 * ``p2ptrain demo`` stopped by SIGTERM once its nodes are ready stops them before it exits;
-  SIGKILLed, it takes them with it (the kernel's parent-death signal, armed by
-  :mod:`p2ptrain.node.parent_death`): either way no node of it is alive 10 s later.
+  SIGKILLed, it takes them with it (it forks them from a server of its own, and each
+  watches a pipe only the demo holds: :mod:`p2ptrain.node.forked`): either way no node of
+  it is alive 10 s later.
 * A seed restarted with another experiment definition, and a node given a read-only data
   directory, exit 2 with one line saying what to do.
 * A child bound to its parent (:func:`~p2ptrain.node.parent_death.bound_to_this_process`)
@@ -281,8 +282,10 @@ class Demo:
         assert self.said("every node is ready"), self.diagnosis("the demo's nodes to be ready")
 
     def nodes(self) -> dict[int, int]:
-        """The demo's node processes (its children running in its work dir): pid -> pidfd."""
-        found: dict[int, int] = {}
+        """The demo's node processes (its descendants whose command names its work dir: it
+        forks them from a server of its own): pid -> pidfd."""
+        parents: dict[int, int] = {}
+        commands: dict[int, bytes] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -291,10 +294,19 @@ class Demo:
                 command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            parent = int(stat.rpartition(")")[2].split()[1])
-            if parent == self.process.pid and str(self.workdir).encode() in b" ".join(command):
-                found[int(entry)] = os.pidfd_open(int(entry))
-        return found
+            parents[int(entry)] = int(stat.rpartition(")")[2].split()[1])
+            commands[int(entry)] = b" ".join(command)
+
+        def descends(pid: int) -> bool:
+            while pid in parents and pid != self.process.pid:
+                pid = parents[pid]
+            return pid == self.process.pid
+
+        return {
+            pid: os.pidfd_open(pid)
+            for pid, command in commands.items()
+            if pid != self.process.pid and descends(pid) and str(self.workdir).encode() in command
+        }
 
     def diagnosis(self, what: str) -> str:
         logs = []

@@ -46,12 +46,12 @@ from p2ptrain.core.records import Head
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.node.events import NodeEvent, Ready
 from p2ptrain.node.export import canonical_weights
+from p2ptrain.node.forked import fork_launcher
 from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.state import StateStore
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
-from tests.support.forked_nodes import fork_launcher
 
 __all__ = [
     "TINY_CONFIG",
@@ -82,6 +82,8 @@ INNER_STEPS = 10
 DEADLINE_S = 20.0
 PROPOSAL_S = 3.0
 READY_TIMEOUT_S = 90.0
+#: What the fork server imports for the tests' nodes, besides the node stack.
+FORK_PRELOAD = ("tests.support.faulty_node",)
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 20
 EVENTS_KEPT = 40
@@ -124,7 +126,7 @@ class Net:
     def __init__(self, workdir: Path, *, verbose: bool = False) -> None:
         self.workdir = workdir
         self.network = LocalNetwork(
-            workdir, python=_python(workdir, verbose), launch=fork_launcher()
+            workdir, python=_python(workdir, verbose), launch=fork_launcher(FORK_PRELOAD)
         )
         self.roles: dict[str, str] = {}
         #: Every process ever started, the replaced ones of restarted nodes included.

@@ -38,6 +38,7 @@ from p2ptrain.node.events import (
     Ready,
     RoleFailure,
 )
+from p2ptrain.node.forked import fork_launcher
 from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
 from p2ptrain.node.status import NodeStatus, read_status
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
@@ -93,7 +94,7 @@ class ChaosNetwork:
         self.debug_logs = debug_logs
         self.deadline_s = deadline_s
         self.proposal_s = proposal_s
-        self.network = LocalNetwork(workdir)
+        self.network = LocalNetwork(workdir, launch=fork_launcher())
         #: (height, head id) of every head each node said it adopted, over all its lives.
         self.adopted: dict[str, set[tuple[int, str]]] = defaultdict(set)
         #: The highest height each node said it holds (ready or adopted).

@@ -73,6 +73,8 @@ def run_network(
 ) -> NetworkRun:
     """Run the network until the seed adopted ``task.windows`` heads (or ``timeout_s``
     passed: LocalError), then stop every node cleanly."""
+    # new interpreters, as DDP's and hivemind's: the bench counts the CPU time of the
+    # processes it waited for (not those of a fork server, p2ptrain.node.forked)
     network = LocalNetwork(workdir)
     trainers = [f"trainer-{i}" for i in range(task.workers)]
     run = NetworkRun(launched=time.time(), workdir=workdir)

@@ -138,6 +138,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from p2ptrain.cli.demo_experiment import demo_experiment
+    from p2ptrain.node.forked import fork_launcher
     from p2ptrain.node.local_network import LocalNetwork, seconds_per_step, window_seconds
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
@@ -160,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"(~{train_s:.0f} s each); work dir {workdir}"
     )
     started = time.monotonic()
-    network = LocalNetwork(workdir)
+    network = LocalNetwork(workdir, launch=fork_launcher())
     try:
         with _stop_on_signals(network):
             return _run(

@@ -12,7 +12,8 @@ does not exit in time. On Linux a node started from the main thread is also SIGK
 kernel when this process ends without stopping it (killed, crashed): :mod:`.parent_death`.
 
 How a node's process starts is a :data:`Launcher`: by default a new interpreter
-(:func:`start_process`); the test suite passes one that forks nodes from a server that has
+(:func:`start_process`); the demo, the chaos bench and the test suite pass
+:func:`~p2ptrain.node.forked.fork_launcher`'s, which forks nodes from a server that has
 imported torch and the node stack once (the same command, a fraction of the start-up).
 """
 
