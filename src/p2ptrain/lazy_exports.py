@@ -1,6 +1,6 @@
 """A package's public names, imported from their modules when first asked for (PEP 562), so
 that importing the package costs nothing until a name is used: the commands that need no
-torch stay quick (``tests/unit/test_cli_no_torch.py``)."""
+torch stay quick (``tests/unit/cli/test_no_torch.py``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ module. The command modules define their options with light imports only; torch,
 node's runtime, the simulator and the benchmarks are imported by the handlers that use them,
 so the commands that only read files or ask a node (``status``, ``identity``,
 ``dashboard``, ``experiment show``, ``data show``) import none of them
-(``tests/unit/test_cli_no_torch.py``). The handlers that aggregate install the C kernel
+(``tests/unit/cli/test_no_torch.py``). The handlers that aggregate install the C kernel
 themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`).
 """
 

@@ -18,7 +18,7 @@ _INTRO = f"""\
 <!-- Generated from src/p2ptrain/core/experiment_reference.py (the keys) and
 src/p2ptrain/core/workload_settings.py (the built-in workloads' settings) by
 `{REGENERATE}`. Edit those files, not this one:
-tests/unit/test_experiment_reference.py fails while they differ. -->
+tests/unit/core/test_experiment_reference.py fails while they differ. -->
 
 An experiment definition is a TOML file: top-level keys, then one table per component. It
 defines one training run, which a seed signs into the experiment manifest

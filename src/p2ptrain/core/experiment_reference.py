@@ -6,7 +6,7 @@ each key, and its range in words, are written here, one :class:`KeyDoc` per key,
 the schema. ``docs/experiment.md`` (:mod:`p2ptrain.core.experiment_doc`) and ``p2ptrain
 experiment template`` (:mod:`p2ptrain.core.experiment_template`) are generated from these
 tables, so a key added to the schema without a doc here fails
-``tests/unit/test_experiment_reference.py``.
+``tests/unit/core/test_experiment_reference.py``.
 """
 
 from __future__ import annotations

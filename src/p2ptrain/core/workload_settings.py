@@ -3,7 +3,7 @@ importing them.
 
 The workloads themselves live in :mod:`p2ptrain.torch` and need torch; ``docs/experiment.md``
 and ``p2ptrain experiment template`` describe their settings from this table instead.
-``tests/unit/test_experiment_reference.py`` checks it against the workloads' own
+``tests/unit/core/test_experiment_reference.py`` checks it against the workloads' own
 ``DEFAULT_CONFIG``, so a setting added there without a line here fails.
 """
 

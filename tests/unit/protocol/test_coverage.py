@@ -17,7 +17,7 @@ from p2ptrain.protocol.coverage import lease_counts, lease_coverage, summarise_c
 from p2ptrain.protocol.leases import Lease, lease_for
 from tests.support.builders import experiment, h, identity
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DATASET = DatasetManifest(
     name="d",
     shards=(

@@ -28,7 +28,7 @@ from p2ptrain.aggregate.rules_basic import RowSums, WeightedSpans, Workspace, st
 from p2ptrain.aggregate.rules_robust import pairwise_squared_distances
 from tests.support.bit_exact_child import SEED, adversarial_vectors, all_hashes, rule_hashes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHILD = ROOT / "tests" / "support" / "bit_exact_child.py"
 GOLDEN = ROOT / "tests" / "golden" / "aggregate_hashes.json"
 REGENERATE = f"{sys.executable} {CHILD.relative_to(ROOT)} --write {GOLDEN.relative_to(ROOT)}"

@@ -18,7 +18,7 @@ from p2ptrain.data.shard_format import open_shard
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_gpt2"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "hf_gpt2"
 
 
 def _load(name: str) -> ModuleType:

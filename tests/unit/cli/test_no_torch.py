@@ -250,7 +250,7 @@ def test_identity(tmp_path: Path, node_dir: Path) -> None:
 
 def test_experiment_show(tmp_path: Path) -> None:
     authority = Identity.generate()
-    definition = (Path(__file__).parents[2] / "examples" / "experiment.toml").read_text()
+    definition = (Path(__file__).parents[3] / "examples" / "experiment.toml").read_text()
     signed = seal(authority, experiment_from_toml(definition, authority.public_key))
     manifest = tmp_path / "exp.experiment"
     manifest.write_bytes(signed.envelope.encode())

@@ -36,7 +36,7 @@ from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.workload_settings import BUILT_IN_WORKLOADS
 from p2ptrain.errors import LocalError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 AUTHORITY = bytes(range(32))
 VALIDATOR = "ab" * 32
 
