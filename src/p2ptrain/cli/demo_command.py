@@ -140,6 +140,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from p2ptrain.cli.demo_experiment import demo_experiment
     from p2ptrain.node.forked import fork_launcher
     from p2ptrain.node.local_network import LocalNetwork, seconds_per_step, window_seconds
+    from p2ptrain.torch.capabilities import DryRunnable
 
     if args.windows < 1 or args.trainers < 2 or args.inner_steps < 1:
         raise LocalError("--windows >= 1, --trainers >= 2 and --inner-steps >= 1, please")
@@ -150,9 +151,8 @@ def run_demo(args: argparse.Namespace) -> int:
     _wipe(workdir)
     experiment = demo_experiment(args.workload, args.experiment_toml)
     workload = demo_workload(experiment)
-    dry_run = getattr(workload, "dry_run", None)
-    if callable(dry_run):
-        dry_run()  # a mistake in the model or data is told in words, before anything runs it
+    if isinstance(workload, DryRunnable):
+        workload.dry_run()  # a mistake in the model or data is told in words, before any run
     step_s = seconds_per_step(workload)
     train_s, deadline_s = window_seconds(step_s, args.inner_steps, args.trainers)
     console.print(
@@ -426,6 +426,7 @@ def _summarise(
     from p2ptrain.node.trainer_runner import window_seed
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
+    from p2ptrain.torch.capabilities import ReportsEvaluation, TorchModule
 
     def build() -> Any:
         return demo_workload(experiment)
@@ -448,7 +449,9 @@ def _summarise(
         "windows_certified": height,
         "val_loss": _rounded(val_loss),
         "genesis_val_loss": _rounded(genesis_val_loss),
-        "validation_samples": int(getattr(workload, "validation_samples", 0) or 0),
+        "validation_samples": (
+            workload.validation_samples if isinstance(workload, ReportsEvaluation) else 0
+        ),
         "validation_missing": missing,
         "baseline_val_loss": None,
         "bytes_per_trainer_sent": sent,
@@ -510,7 +513,7 @@ def _summarise(
         summary["baseline_seconds"] = curve[-1]["seconds"]
         summary["baseline_val_loss"] = round(baseline, 4)
         summary["val_loss_ratio"] = round(val_loss / baseline, 4)
-    if hasattr(getattr(workload, "model", None), "save_pretrained"):  # a Hugging Face model
+    if isinstance(workload, TorchModule) and hasattr(workload.model, "save_pretrained"):  # HF
         out = network.workdir / "model-hf"
         summary["export_hf"] = export_hf(seed_dir, out, workload=experiment.code)["directory"]
     summary["bytes_ratio"] = round(
@@ -526,7 +529,9 @@ def _validation(
 ) -> tuple[str | None, float | None, float | None]:
     """(why there is no validation loss, the genesis weights' loss, ``weights``' loss): the
     losses are None, and the reason said, when the workload has no validation data."""
-    missing = getattr(workload, "validation_missing", None)
+    from p2ptrain.torch.capabilities import PreparedDataUser
+
+    missing = workload.validation_missing if isinstance(workload, PreparedDataUser) else None
     if missing:
         console.print(f"[yellow]no validation loss: {missing}")
         return missing, None, None

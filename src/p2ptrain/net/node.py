@@ -15,7 +15,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -33,7 +33,7 @@ from p2ptrain.net.auth import Admitted, ClientCredentials, Gatekeeper
 from p2ptrain.net.client import PeerClient, Refused
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
-from p2ptrain.net.content import LocalContent
+from p2ptrain.net.content import Answer, LocalContent
 from p2ptrain.net.gossip import Delivered, GossipRouter, GossipStatistics
 from p2ptrain.net.net_metrics import exposition, net_families
 from p2ptrain.net.peers import PeerBook, PeerBookStatistics
@@ -99,7 +99,16 @@ class NetNode:
         admission: Signed[AdmissionCertificate] | None = None,
         relay: str | None = None,
         rng: random.Random | None = None,
+        answers: Mapping[str, Callable[[str], Answer]] | None = None,
+        on_blob_bytes: Callable[[str, str, int], None] | None = None,
+        extra_routes: Sequence[web.RouteDef] = (),
+        metrics_text: Callable[[], bytes] | None = None,
     ) -> None:
+        """``answers``: the node's own content answers by path prefix (its records, status);
+        ``on_blob_bytes``: told of each blob served (``sent``) or pushed here (``received``),
+        with its id and bytes; ``extra_routes``: the node's own pages (the dashboard; see
+        the server); ``metrics_text``: the Prometheus text of ``/metrics`` (else the
+        network's alone)."""
         self.config = config or NetConfig()
         self.identity = identity
         self.network = network
@@ -128,6 +137,7 @@ class NetNode:
         self.relay = RelayHub(self.config.request_timeout_s)
         self._record: Signed[PeerRecord] | None = None
         self.content = LocalContent(blobs, self.peers, self.self_record)
+        self.content.handlers.update(answers or {})
         self.gossip.subscribe(
             network_topic(self.network_id), self._on_peer_record, self._check_peer_record
         )
@@ -153,13 +163,11 @@ class NetNode:
         self._heard_at: dict[str, float] = {}
         #: Whether a bootstrap was linked when last looked at (None: none was ever linked).
         self._bootstrap_linked: bool | None = None
-        #: Set before start: told of each blob served (``sent``) or pushed here
-        #: (``received``), with its id and bytes.
-        self.on_blob_bytes: Callable[[str, str, int], None] = lambda *_: None
-        #: Set before start: the node's own pages (the dashboard; see the server).
-        self.extra_routes: Sequence[web.RouteDef] = ()
-        #: Set before start: the Prometheus text of ``/metrics`` (else the network's alone).
-        self.metrics_text: Callable[[], bytes] = lambda: exposition(self.metric_families)
+        self.on_blob_bytes: Callable[[str, str, int], None] = on_blob_bytes or (lambda *_: None)
+        self.extra_routes = tuple(extra_routes)
+        self.metrics_text: Callable[[], bytes] = metrics_text or (
+            lambda: exposition(self.metric_families)
+        )
 
     # -- life cycle -----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import PreparedDataset
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.store.blobs import BlobStore
+from p2ptrain.torch.capabilities import PreparedDataUser
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["attach_validation", "import_prepared"]
@@ -70,13 +71,12 @@ def attach_validation(workload: Workload, dataset: DatasetManifest, blobs: BlobS
     built-in language models on prepared text) the experiment's shards as ``blobs`` holds
     them (an evaluator fetches the validation shards it lacks before it evaluates); return
     why the workload has no validation data (None: it has some)."""
-    if getattr(workload, "val_from_data", False) and dataset.kind == "sharded":
-        use_data = getattr(workload, "use_data", None)
-        if callable(use_data):
+    if not isinstance(workload, PreparedDataUser):
+        return None
+    if workload.val_from_data and dataset.kind == "sharded":
 
-            def locate(shard: ShardInfo) -> Path | None:
-                return blobs.path(shard.blob_id) if blobs.has(shard.blob_id) else None
+        def locate(shard: ShardInfo) -> Path | None:
+            return blobs.path(shard.blob_id) if blobs.has(shard.blob_id) else None
 
-            use_data(ShardedData(dataset, locate, location=str(blobs.root)))
-    missing = getattr(workload, "validation_missing", None)
-    return missing if isinstance(missing, str) and missing else None
+        workload.use_data(ShardedData(dataset, locate, location=str(blobs.root)))
+    return workload.validation_missing or None

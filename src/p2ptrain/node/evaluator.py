@@ -38,6 +38,7 @@ from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import METRICS_KIND
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.status import RoleState
+from p2ptrain.torch.capabilities import ReportsEvaluation
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["EVALUATE_STEP", "EVALUATOR_ROLE", "HeadEvaluator", "evaluate_head"]
@@ -62,11 +63,12 @@ def evaluate_head(
     perplexity = exp(loss) for a language model (``workload.language_model``), samples as
     the workload tells them (``workload.validation_samples``, 0 when it does not)."""
     loss = float(workload.evaluate(weights))
+    if not isinstance(workload, ReportsEvaluation):
+        return loss, None, 0
     perplexity = None
-    if getattr(workload, "language_model", False):
+    if workload.language_model:
         perplexity = math.exp(min(loss, 690.0))  # beyond that, exp overflows a float64
-    samples = int(getattr(workload, "validation_samples", 0) or 0)
-    return loss, perplexity, samples
+    return loss, perplexity, int(workload.validation_samples)
 
 
 class HeadEvaluator:

@@ -31,6 +31,7 @@ from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.metrics import median
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.datadir import DataDir
+from p2ptrain.torch.capabilities import PreparedDataUser
 from p2ptrain.torch.workload import TorchWorkload, Workload
 
 __all__ = [
@@ -253,7 +254,7 @@ def evaluate_stored_head(
         if missing:
             raise LocalError(f"{data_dir}: no validation loss: {missing}")
         absent = [s.name for s in dataset.validation if not datadir.blobs.has(s.blob_id)]
-        if getattr(built, "val_from_data", False) and absent:
+        if isinstance(built, PreparedDataUser) and built.val_from_data and absent:
             raise LocalError(
                 f"{data_dir} does not hold the validation shards {', '.join(absent[:3])}"
                 f"{' ...' if len(absent) > 3 else ''} of the prepared dataset: run p2ptrain "

@@ -34,6 +34,7 @@ from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.kernel_build import ensure_kernel
+from p2ptrain.torch.capabilities import DryRunnable, Placeable, PreparedDataUser
 from p2ptrain.torch.workload import Workload
 
 __all__ = [
@@ -85,16 +86,15 @@ async def serve(
                 shards.on_evict = data.forget
             chosen = check_workload(manifest, built, prepared.genesis)
             if settings.device != "cpu":
-                place = getattr(chosen, "place", None)
-                if not callable(place):
+                if not isinstance(chosen, Placeable):
                     raise LocalError(
                         f"--device {settings.device}: this workload ({type(chosen).__name__}) "
-                        "cannot be moved; build it on the device yourself"
+                        "cannot be moved (it has no place(device)); build it on the device "
+                        "yourself"
                     )
-                place(settings.device)
-            check = getattr(chosen, "dry_run", None)
-            if dry_run and callable(check):
-                check()  # a mistake in the model or data fails now, in words
+                chosen.place(settings.device)
+            if dry_run and isinstance(chosen, DryRunnable):
+                chosen.dry_run()  # a mistake in the model or data fails now, in words
         # the evaluator's own workload (a trainer's model is busy training); a node that
         # does not evaluate builds none, and needs no model code
         evaluating = experiment_workload(manifest, settings.workload) if settings.evaluate else None
@@ -133,15 +133,14 @@ def attach_shards(
 ) -> ShardedData:
     """Make ``workload`` train on the prepared shards of ``dataset``, read where ``locate``
     finds them (a trainer's shard cache; the demo's prepared directory)."""
-    use_data = getattr(workload, "use_data", None)
-    if not callable(use_data):
+    if not isinstance(workload, PreparedDataUser):
         raise LocalError(
             f"the experiment trains on prepared shards, and this workload "
             f"({type(workload).__name__}) cannot be given data: build a TorchWorkload, or "
-            "implement use_data(pipeline)"
+            "give it what p2ptrain.torch.capabilities.PreparedDataUser names"
         )
     data = ShardedData(dataset, locate, location=location)
-    use_data(data)
+    workload.use_data(data)
     return data
 
 

@@ -199,7 +199,7 @@ def seconds_per_step(workload: Any) -> float:
 
     torch.set_num_threads(1)
     weights = workload.initial_weights()
-    samples = len(workload.train_dataset) if hasattr(workload, "train_dataset") else 4
+    samples = workload.dataset_manifest().total_samples
     indices = list(range(max(1, min(workload.batch_size * 4, samples))))
     workload.train_window(weights, indices, steps=1, seed=0)
     started = time.perf_counter()

@@ -39,7 +39,7 @@ from p2ptrain.node.storage import StorageHealth
 from p2ptrain.node.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import HELD_HEADS_REPORTED, MAX_LINKS_PER_PAGE, ChainPage
-from p2ptrain.protocol.intake import ACCEPTED, Admission
+from p2ptrain.protocol.intake import Admission
 from p2ptrain.protocol.role import RoleMachine
 
 __all__ = ["NothingAbove", "PeerServices", "experiment_topic"]
@@ -73,7 +73,12 @@ def experiment_topic(experiment_id: str) -> str:
 
 
 class PeerServices:
-    """What the runners of one node share. ``attach`` it to the network before use."""
+    """What the runners of one node share. ``attach`` it to the network before use.
+
+    ``admit`` judges the records that did not come by gossip (a window sync's) by the node's
+    intake rules; ``on_adopted`` is told when a role's machine adopted a head; ``on_update``
+    of each update record a role keeps (its blob is that window's); ``telemetry`` counts and
+    times what happens (a spare one if not given)."""
 
     def __init__(
         self,
@@ -84,6 +89,10 @@ class PeerServices:
         bootstrap: Sequence[str],
         keeps_records: bool,
         emit: Callable[[NodeEvent], None],
+        admit: Callable[[Signed[Any]], Admission],
+        on_adopted: Callable[[RoleMachine, act.Adopted], None],
+        on_update: Callable[[Update], None] | None = None,
+        telemetry: NodeTelemetry | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -96,14 +105,10 @@ class PeerServices:
         self.emit = emit
         self.reports: deque[PeerReport] = deque(maxlen=_RECENT_REPORTS)
         self.rng = random.Random()
-        #: Set by the node: a role's machine adopted a head.
-        self.on_adopted: Callable[[RoleMachine, act.Adopted], None] = lambda *_: None
-        #: Set by the node: its intake rules, for records that did not come by gossip.
-        self.admit: Callable[[Signed[Any]], Admission] = lambda _: ACCEPTED
-        #: Set by the node: an update record a role keeps (its blob is that window's).
-        self.on_update: Callable[[Update], None] = lambda _: None
-        #: The node's counters and timings (the node sets its own; this one is a spare).
-        self.telemetry = NodeTelemetry()
+        self.on_adopted = on_adopted
+        self.admit = admit
+        self.on_update: Callable[[Update], None] = on_update or (lambda _: None)
+        self.telemetry = telemetry or NodeTelemetry()
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         #: Whether local writes go through (a full disk is reported once, not per write).

@@ -316,6 +316,7 @@ def _workload_table(raw: dict[str, Any], given: str | None, path: Path) -> str:
 
 
 def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Prepared:
+    from p2ptrain.torch.capabilities import model_config
     from p2ptrain.torch.registry import config_hash, make_workload
 
     assert settings.experiment_toml is not None
@@ -336,8 +337,6 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     genesis = workload.initial_weights()
     genesis_blob = bytes(encode_state_dict(genesis))
     inner_steps = int(raw.get("inner_steps", _MANIFEST_DEFAULTS["inner_steps"]))
-    model_config = getattr(getattr(workload, "model", None), "config", None)
-    to_dict = getattr(model_config, "to_dict", None)
     fill: dict[str, Any] = {
         "network_id": signed_network.record_id,
         "workload": {
@@ -345,7 +344,7 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
             "batch_size": workload.batch_size,
             "config_hash": config_hash(
                 raw["workload"].get("config", {}),
-                to_dict() if callable(to_dict) else None,
+                model_config(workload),
             ),
         },
         "dataset": msgspec.to_builtins(

@@ -156,6 +156,18 @@ class Node:
         self._failed: RoleFailed | None = None
         roles = set(settings.roles)
         self.failures = FailureBook(settings.max_role_failures)
+        #: Counters, timings and the window history (status, /metrics, the dashboard).
+        pinned = {shard.blob_id: "shard" for shard in self.manifest.dataset.shards}
+        pinned[self.manifest.genesis_weights] = "state"
+        self.telemetry = NodeTelemetry(settings.data_dir, pinned)
+        self._wire_high = (0, 0)
+        #: Where ``--metrics-listen`` serves (once the node runs).
+        self.metrics_address: str | None = None
+        self.intake = IntakeRules(
+            self.manifest,
+            self.experiment_id,
+            max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(prepared.genesis)),
+        )
         self.services = PeerServices(
             identity=self.identity,
             store=store,
@@ -163,16 +175,12 @@ class Node:
             bootstrap=settings.bootstrap,
             keeps_records=bool(roles & _PARTICIPANT_ROLES),
             emit=self._emit,
+            # records fetched by a window sync pass the same intake as gossip
+            admit=lambda signed: self.intake.judge(signed, self.height + 1),
+            on_adopted=self._adopted,
+            on_update=self._saw_update,
+            telemetry=self.telemetry,
         )
-        self.services.on_adopted = self._adopted
-        #: Counters, timings and the window history (status, /metrics, the dashboard).
-        pinned = {shard.blob_id: "shard" for shard in self.manifest.dataset.shards}
-        pinned[self.manifest.genesis_weights] = "state"
-        self.telemetry = NodeTelemetry(settings.data_dir, pinned)
-        self.services.telemetry = self.telemetry
-        self._wire_high = (0, 0)
-        #: Where ``--metrics-listen`` serves (once the node runs).
-        self.metrics_address: str | None = None
         #: Deletes the blobs the node no longer needs (None: an archive node keeps all).
         self.collector: BlobCollector | None = None
         if not settings.archive:
@@ -183,14 +191,6 @@ class Node:
                 grace_s=unknown_grace_s(self.manifest.window),
                 storage=self.services.storage,
             )
-            self.services.on_update = self.collector.saw_update
-        self.intake = IntakeRules(
-            self.manifest,
-            self.experiment_id,
-            max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(prepared.genesis)),
-        )
-        # records fetched by a window sync pass the same intake as gossip
-        self.services.admit = lambda signed: self.intake.judge(signed, self.height + 1)
         self.runners = role_runners(
             settings.roles,
             prepared,
@@ -251,6 +251,8 @@ class Node:
             preferred_port=self.store.listen_port() if s.host is not None else 0,
         )
         torch.set_num_threads(max(1, s.threads))
+        # the server's own /metrics answers loopback only: the dashboard adds none
+        dashboard = Dashboard(self.dashboard_snapshot)
         net = NetNode(
             identity=self.identity,
             network=self.network.record,
@@ -259,19 +261,18 @@ class Node:
             roles=s.roles,
             secret=s.secret,
             relay=s.relay,
+            answers={
+                "/v1/records/": self._answer_record,
+                "/v1/window/": self._answer_window,
+                "/v1/status": self._answer_status,
+                "/v1/network": self._answer_network,
+            },
+            on_blob_bytes=self.telemetry.blob_bytes,
+            extra_routes=dashboard.routes(),
+            metrics_text=self.metrics_text,
         )
         self._net = net
         self.services.attach(net, s.fetch_timeout_s)
-        handlers = net.content.handlers
-        handlers["/v1/records/"] = self._answer_record
-        handlers["/v1/window/"] = self._answer_window
-        handlers["/v1/status"] = self._answer_status
-        handlers["/v1/network"] = self._answer_network
-        net.on_blob_bytes = self.telemetry.blob_bytes
-        net.metrics_text = self.metrics_text
-        # the server's own /metrics answers loopback only: the dashboard adds none
-        dashboard = Dashboard(self.dashboard_snapshot)
-        net.extra_routes = dashboard.routes()
         async with net, self._metrics_listener(), _closed_after(dashboard):
             if s.host is not None and s.port == 0:
                 self.store.remember_listen_port(net.port)
@@ -402,6 +403,11 @@ class Node:
         if admission.accepted and isinstance(record.record, MetricsReport):
             admission = self.metrics.judge(record.record, self.height, self._certified_at)
         return None if admission.accepted else Refusal(admission.reason, admission.blame)
+
+    def _saw_update(self, update: Update) -> None:
+        """An update record a role keeps: its blob is that window's (the collector's)."""
+        if self.collector is not None:
+            self.collector.saw_update(update)
 
     def _certified_at(self, height: int) -> str | None:
         link = self._serving().machine.chain.at(height)

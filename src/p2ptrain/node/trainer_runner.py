@@ -50,6 +50,7 @@ from p2ptrain.protocol.leases import Lease
 from p2ptrain.protocol.policy import FETCH_ATTEMPTS, TrainerPolicy
 from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.torch.capabilities import PreparedDataUser, RateScheduled
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["TRAIN_STEP", "TrainerRunner", "inner_lr_scaler", "warn_if_other_lr", "window_seed"]
@@ -74,22 +75,21 @@ def inner_lr_scaler(workload: Workload, spec: InnerOptimizerSpec) -> Callable[[f
     changes), or :class:`LocalError` when the workload cannot change its rate."""
     if not spec.scheduled:
         return None
-    scale: Callable[[float], None] | None = getattr(workload, "set_lr_scale", None)
-    if not callable(scale):
+    if not isinstance(workload, RateScheduled):
         raise LocalError(
             f"the experiment schedules the inner learning rate ({spec.schedule}, "
             f"{spec.warmup_windows} warm-up windows), but the workload "
             f"{type(workload).__name__} has no set_lr_scale(scale); build it as a "
             "p2ptrain.TorchWorkload or give it that method"
         )
-    return scale
+    return workload.set_lr_scale
 
 
 def warn_if_other_lr(workload: Workload, spec: InnerOptimizerSpec) -> str | None:
     """Warn once (and return the warning) when no parameter group of the workload's
     optimizer was built with the experiment's ``inner_optimizer.lr``: the trainer trains at
     its optimizer's rates (times the schedule), so trainers of one experiment may differ."""
-    rates = getattr(workload, "base_lrs", None)
+    rates = workload.base_lrs if isinstance(workload, RateScheduled) else ()
     if not rates or any(math.isclose(r, spec.lr, rel_tol=1e-6) for r in rates):
         return None
     shown = ", ".join(f"{r:g}" for r in sorted(set(rates)))
@@ -262,11 +262,9 @@ class TrainerRunner(RoleRunner):
 
     def data_status(self) -> DataStatus | None:
         """What the trainer trains on, and (prepared shards) what it holds and fetched."""
-        pipeline = getattr(self.workload, "data", None)
-        describe = getattr(pipeline, "describe", None)
-        if not callable(describe):
+        if not isinstance(self.workload, PreparedDataUser) or self.workload.data is None:
             return None
-        said = describe()
+        said = self.workload.data.describe()
         if self.shards is None:
             return DataStatus(kind=said.kind, descriptor=said.descriptor, location=said.location)
         return self.shards.status(said.kind, said.descriptor, said.location)
@@ -274,9 +272,8 @@ class TrainerRunner(RoleRunner):
     def _train_window(self, action: act.Train, base: BaseState) -> TrainedUpdate:
         """In a worker thread: the inner steps, the pseudo-gradient, its encoding."""
         lease = self.machine.lease(action.window)
-        begin = getattr(getattr(self.workload, "data", None), "begin_lease", None)
-        if callable(begin):
-            begin(lease)
+        if isinstance(self.workload, PreparedDataUser) and self.workload.data is not None:
+            self.workload.data.begin_lease(lease)
         indices = lease_indices(self.manifest.dataset, lease)
         metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
         requeue, self._requeue = self._requeue, []

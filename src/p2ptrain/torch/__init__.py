@@ -2,7 +2,8 @@
 
 ``import torch`` inside this package is PyTorch itself (absolute imports); this package is
 ``p2ptrain.torch``. :mod:`.workload` defines the :class:`Workload` protocol the node calls and
-:class:`TorchWorkload` (its parts: :mod:`.batch_loss`, :mod:`.placement` for device and
+:class:`TorchWorkload` (:mod:`.capabilities` declares what a workload may offer beyond the
+protocol, each checked by type; its parts: :mod:`.batch_loss`, :mod:`.placement` for device and
 precision, :mod:`.weights`, :mod:`.optimizer_state`, :mod:`.dry_run`); :mod:`.char_gpt` is the
 demo model; :mod:`.hf_causal_lm` builds Hugging Face causal LMs and :mod:`.hf_export` writes
 them in the Hugging Face format (both need the ``hf`` extra); :mod:`.registry` maps manifest

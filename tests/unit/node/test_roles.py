@@ -31,6 +31,7 @@ from p2ptrain.node.status import (
     read_status,
 )
 from p2ptrain.protocol.follower import Follower, FollowerStatistics
+from p2ptrain.protocol.intake import ACCEPTED
 from p2ptrain.protocol.participant import Participant, ParticipantStatistics
 from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.protocol.trainer import TrainerMachine, TrainerStatistics
@@ -94,6 +95,8 @@ def _runner(tmp_path: Path, events: list[NodeEvent]) -> tuple[RoleRunner, DataDi
         bootstrap=(),
         keeps_records=True,
         emit=events.append,
+        admit=lambda signed: ACCEPTED,
+        on_adopted=lambda machine, adopted: None,
     )
     follower = Follower(manifest, identity(5), workload.genesis())
     return RoleRunner("viewer", follower, services, FailureBook(limit=3), events.append), datadir
