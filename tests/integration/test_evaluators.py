@@ -21,7 +21,7 @@ from p2ptrain.cli.node_commands import describe_status
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.errors import LocalError
 from p2ptrain.node.export import evaluate_stored_head
-from p2ptrain.node.status import read_status
+from p2ptrain.observe.status import read_status
 from tests.support.local_net import Net, new_net, stored_chain, stored_records
 
 pytestmark = pytest.mark.integration

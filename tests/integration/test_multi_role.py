@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.node.status import read_status
+from p2ptrain.observe.status import read_status
 from tests.support.local_net import Net, check_one_tip, local_net  # noqa: F401
 
 pytestmark = pytest.mark.integration

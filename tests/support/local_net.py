@@ -44,11 +44,11 @@ from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.records import Head
 from p2ptrain.core.tensors import decode_state_dict
-from p2ptrain.node.events import NodeEvent, Ready
 from p2ptrain.node.export import canonical_weights
 from p2ptrain.node.forked import fork_launcher
 from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
 from p2ptrain.node.persist import NodeStore
+from p2ptrain.observe.events import NodeEvent, Ready
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.state import StateStore
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG

@@ -30,7 +30,9 @@ from urllib.parse import urlsplit
 from p2ptrain.bench.chaos_plan import JOINER, NODES
 from p2ptrain.bench.netns_lab import NamespaceLab
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import (
+from p2ptrain.node.forked import fork_launcher
+from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
+from p2ptrain.observe.events import (
     Exited,
     HeadAdopted,
     NodeEvent,
@@ -38,9 +40,7 @@ from p2ptrain.node.events import (
     Ready,
     RoleFailure,
 )
-from p2ptrain.node.forked import fork_launcher
-from p2ptrain.node.local_network import LocalNetwork, NodeProcess, experiment_toml
-from p2ptrain.node.status import NodeStatus, read_status
+from p2ptrain.observe.status import NodeStatus, read_status
 from p2ptrain.torch.char_gpt import DEFAULT_CONFIG
 
 __all__ = ["TINY_WORKLOAD", "ChaosNetwork"]

@@ -52,7 +52,7 @@ from p2ptrain.bench.convergence_task import (
 )
 from p2ptrain.bench.netns_lab import NamespaceLab, namespaces_unavailable
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import mean_utilisation
+from p2ptrain.observe.events import mean_utilisation
 
 if TYPE_CHECKING:
     from p2ptrain.bench.convergence_network import NetworkRun
@@ -262,7 +262,7 @@ def _probe(
 
 
 def _status_counters(hosts: Sequence[str], workdir: Path) -> Counters:
-    from p2ptrain.node.status import read_status
+    from p2ptrain.observe.status import read_status
 
     counters: Counters = {}
     for host in hosts:

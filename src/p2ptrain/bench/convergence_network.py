@@ -25,8 +25,8 @@ from pathlib import Path
 
 from p2ptrain.bench.convergence_task import Placement, Task
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import Exited, HeadAdopted, RoleFailure, Trained
 from p2ptrain.node.local_network import LocalNetwork, experiment_toml
+from p2ptrain.observe.events import Exited, HeadAdopted, RoleFailure, Trained
 from p2ptrain.torch.char_gpt import (
     DEMO_AGGREGATE_PRECISION,
     DEMO_CODEC,

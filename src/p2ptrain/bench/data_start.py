@@ -28,8 +28,8 @@ import tomli_w
 
 from p2ptrain.data.prepare import prepare_dataset
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import ShardsFetched, TrainingStarted
 from p2ptrain.node.local_network import LocalNetwork
+from p2ptrain.observe.events import ShardsFetched, TrainingStarted
 
 __all__ = ["run_data_bench"]
 

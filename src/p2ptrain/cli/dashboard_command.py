@@ -1,6 +1,6 @@
 """``p2ptrain dashboard --dir D``: the live dashboard of any node's data directory.
 
-It serves the same page a running node serves at ``/`` (:mod:`p2ptrain.node.dashboard`),
+It serves the same page a running node serves at ``/`` (:mod:`p2ptrain.observe.dashboard`),
 built from what the node keeps in ``D``: its status file, its window history and the peers
 it knew. The page follows the files as the node rewrites them (every two seconds while it
 runs); a stopped node's directory shows where it stopped.
@@ -45,7 +45,7 @@ async def _serve(data_dir: Path, where: str) -> int:
     import contextlib
     import signal
 
-    from p2ptrain.node.dashboard import DataDirSnapshots, start_listener
+    from p2ptrain.observe.dashboard import DataDirSnapshots, start_listener
 
     snapshots = DataDirSnapshots(data_dir)
     listener = await start_listener(where, snapshots, snapshots.metrics, option="--listen")

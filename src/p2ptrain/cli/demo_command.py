@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from p2ptrain.cli.commands import add_command
 from p2ptrain.core.manifests import MAX_STALENESS
 from p2ptrain.errors import DataDirInUse, LocalError
-from p2ptrain.node.events import (
+from p2ptrain.observe.events import (
     Exited,
     HeadAdopted,
     PeerReported,
@@ -342,7 +342,7 @@ class _Certified:
 
 def _bytes_per_trainer(workdir: Path, trainers: list[str]) -> int | None:
     """The mean bytes (sent + received) of the trainers' last status files."""
-    from p2ptrain.node.status import read_status
+    from p2ptrain.observe.status import read_status
 
     try:
         statuses = [read_status(workdir / name) for name in trainers]
@@ -422,8 +422,8 @@ def _summarise(
 
     from p2ptrain.data.shards import lease_indices
     from p2ptrain.node.export import canonical_weights, export_checkpoint, export_hf
-    from p2ptrain.node.status import read_status
     from p2ptrain.node.trainer_runner import window_seed
+    from p2ptrain.observe.status import read_status
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
     from p2ptrain.torch.capabilities import ReportsEvaluation, TorchModule

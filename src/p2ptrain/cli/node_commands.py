@@ -24,7 +24,8 @@ from p2ptrain.cli.commands import add_command, summary
 from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.core.records import ROLES
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.events import (
+from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
+from p2ptrain.observe.events import (
     CatchingUp,
     Evaluated,
     HeadAdopted,
@@ -35,8 +36,7 @@ from p2ptrain.node.events import (
     Trained,
     encode_event,
 )
-from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
-from p2ptrain.node.status import NodeStatus, decode_status, read_status
+from p2ptrain.observe.status import NodeStatus, decode_status, read_status
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 
 if TYPE_CHECKING:  # the node's runtime (torch) is imported by the commands that run one
@@ -498,7 +498,7 @@ def run_status(args: argparse.Namespace) -> int:
         raise LocalError("--interval sets how often --watch reads the status: add --watch")
     status = read()
     if args.json:
-        from p2ptrain.node.status import encode_status
+        from p2ptrain.observe.status import encode_status
 
         print(encode_status(status).decode())
         return 0

@@ -3,7 +3,7 @@ shows, in the same words: one function per fact, each the text after its label."
 
 from __future__ import annotations
 
-from p2ptrain.node.status import NodeStatus, ValidationMetrics
+from p2ptrain.observe.status import NodeStatus, ValidationMetrics
 
 
 def mib(size: int) -> str:

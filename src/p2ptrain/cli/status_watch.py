@@ -25,7 +25,7 @@ from rich.text import Text
 
 from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.errors import P2PTrainError
-from p2ptrain.node.status import NodeStatus
+from p2ptrain.observe.status import NodeStatus
 
 __all__ = ["MIN_INTERVAL_S", "render_status", "render_waiting", "run_watch", "watch_status"]
 

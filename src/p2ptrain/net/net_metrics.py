@@ -3,7 +3,7 @@
 :func:`net_families` turns one :class:`~p2ptrain.net.node.NetNodeStatistics` snapshot into
 ``prometheus_client`` metric families: counters (``_total`` in the exposition) for what only
 grows, gauges for what goes up and down, each with its help text. A node's full ``/metrics``
-(:mod:`p2ptrain.node.telemetry`) adds the training figures to these; a bare
+(:mod:`p2ptrain.observe.telemetry`) adds the training figures to these; a bare
 :class:`~p2ptrain.net.node.NetNode` answers these alone (:func:`exposition`).
 """
 

@@ -1,8 +1,8 @@
-"""The running node: a thin shell, one runner per role, the Trainer API.
+"""The running node: a thin shell, one runner per role, the Trainer API. What it shows of
+itself (events, status, metrics, the dashboard) is :mod:`p2ptrain.observe`.
 
-The names below are imported when first asked for: the command line reads
-:mod:`p2ptrain.node.status` and :mod:`p2ptrain.node.events` (plain records) without loading
-torch or the node's runtime.
+The names below are imported when first asked for, so that importing the package loads
+neither torch nor the node's runtime.
 """
 
 from __future__ import annotations
@@ -12,22 +12,18 @@ from typing import TYPE_CHECKING
 from p2ptrain.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from p2ptrain.node.events import NodeEvent
     from p2ptrain.node.failures import RoleFailed
     from p2ptrain.node.persist import NodeStore
     from p2ptrain.node.services import experiment_topic
     from p2ptrain.node.setup import ROLES, NodeSettings, Prepared, prepare
     from p2ptrain.node.shell import Node
-    from p2ptrain.node.status import NodeStatus
     from p2ptrain.node.trainer_api import Trainer, WindowOutcome
     from p2ptrain.node.trainer_runner import window_seed
 
 __all__ = [
     "ROLES",
     "Node",
-    "NodeEvent",
     "NodeSettings",
-    "NodeStatus",
     "NodeStore",
     "Prepared",
     "RoleFailed",
@@ -40,7 +36,6 @@ __all__ = [
 
 #: Where each name of ``__all__`` is defined.
 _MODULE_OF = {
-    "NodeEvent": "events",
     "RoleFailed": "failures",
     "NodeStore": "persist",
     "experiment_topic": "services",
@@ -49,7 +44,6 @@ _MODULE_OF = {
     "Prepared": "setup",
     "prepare": "setup",
     "Node": "shell",
-    "NodeStatus": "status",
     "Trainer": "trainer_api",
     "WindowOutcome": "trainer_api",
     "window_seed": "trainer_runner",

@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import NodeEvent, RoleFailure
-from p2ptrain.node.status import RoleError
+from p2ptrain.observe.events import NodeEvent, RoleFailure
+from p2ptrain.observe.status import RoleError
 
 __all__ = ["DEFAULT_MAX_FAILURES", "FailureBook", "RoleFailed"]
 

@@ -25,13 +25,13 @@ from p2ptrain.data.prepare import read_prepared
 from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
 from p2ptrain.node.data_import import attach_validation, import_prepared
-from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings, prepare
 from p2ptrain.node.shard_cache import CACHE_FILE, ShardCache
 from p2ptrain.node.shell import Node
-from p2ptrain.node.status import NodeStatus
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
+from p2ptrain.observe.events import NodeEvent
+from p2ptrain.observe.status import NodeStatus
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.kernel_build import ensure_kernel
 from p2ptrain.torch.capabilities import DryRunnable, Placeable, PreparedDataUser

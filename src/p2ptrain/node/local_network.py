@@ -5,8 +5,9 @@ reducers' identities first (the experiment manifest names their keys), writes th
 experiment definition, starts a seed that signs it, then starts the other nodes against the
 seed. Each node runs ``python -m p2ptrain <role> --json`` (``p2ptrain node --role A --role
 B`` for a node of several roles): its stdout is one JSON event per line, read back into
-typed events (:mod:`.events`) by a thread per process into one queue, which ends each
-process's stream with an :class:`~.events.Exited`; its stderr goes to ``logs/<name>.log``.
+typed events (:mod:`p2ptrain.observe.events`) by a thread per process into one queue, which
+ends each process's stream with an :class:`~p2ptrain.observe.events.Exited`; its stderr goes
+to ``logs/<name>.log``.
 Stopping sends SIGINT (a node stops cleanly) and escalates to SIGKILL only for a node that
 does not exit in time. On Linux a node started from the main thread is also SIGKILLed by the
 kernel when this process ends without stopping it (killed, crashed): :mod:`.parent_death`.
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import Exited, NodeEvent, Ready, decode_event
 from p2ptrain.node.parent_death import bound_to_this_process
+from p2ptrain.observe.events import Exited, NodeEvent, Ready, decode_event
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
 __all__ = [

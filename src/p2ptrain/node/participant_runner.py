@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from p2ptrain.core.records import Attestation
-from p2ptrain.node.events import Attested, NodeEvent
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner
 from p2ptrain.node.services import PeerServices
+from p2ptrain.observe.events import Attested, NodeEvent
 from p2ptrain.protocol.effects import Effect, Publish
 from p2ptrain.protocol.participant import Participant
 

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from p2ptrain.errors import LocalError
-from p2ptrain.node.events import NodeEvent
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.participant_runner import ParticipantRunner
 from p2ptrain.node.runner import RoleRunner
@@ -25,6 +24,7 @@ from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import Prepared
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.trainer_runner import TrainerRunner
+from p2ptrain.observe.events import NodeEvent
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine

@@ -28,10 +28,10 @@ from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.records import Attestation, Proposal
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
-from p2ptrain.node.events import CatchingUp, NodeEvent
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
-from p2ptrain.node.status import RoleState, TrainerWindow
+from p2ptrain.observe.events import CatchingUp, NodeEvent
+from p2ptrain.observe.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (

@@ -32,11 +32,11 @@ from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.transfer import BlobFetcher, FetchResult
-from p2ptrain.node.events import NodeEvent, PeerReported
 from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.status import PeerReport
 from p2ptrain.node.storage import StorageHealth
-from p2ptrain.node.telemetry import NodeTelemetry
+from p2ptrain.observe.events import NodeEvent, PeerReported
+from p2ptrain.observe.status import PeerReport
+from p2ptrain.observe.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import HELD_HEADS_REPORTED, MAX_LINKS_PER_PAGE, ChainPage
 from p2ptrain.protocol.intake import Admission

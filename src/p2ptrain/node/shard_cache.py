@@ -18,7 +18,7 @@ from pathlib import Path
 
 from p2ptrain.core.manifests import DatasetManifest, ShardInfo
 from p2ptrain.errors import BlobCorrupted, BlobNotFound, LocalError
-from p2ptrain.node.status import DataStatus
+from p2ptrain.observe.status import DataStatus
 from p2ptrain.store.atomic import write_atomically
 from p2ptrain.store.blobs import BlobStore
 

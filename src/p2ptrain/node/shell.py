@@ -52,9 +52,17 @@ from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.collector import BlobCollector, CollectorStatistics
-from p2ptrain.node.dashboard import Dashboard, Snapshot, start_listener, write_peers
 from p2ptrain.node.evaluator import HeadEvaluator
-from p2ptrain.node.events import (
+from p2ptrain.node.failures import FailureBook, RoleFailed
+from p2ptrain.node.persist import METRICS_KIND, NodeStore
+from p2ptrain.node.roles import role_runners
+from p2ptrain.node.runner import RoleRunner
+from p2ptrain.node.services import NothingAbove, PeerServices
+from p2ptrain.node.setup import NodeSettings, Prepared
+from p2ptrain.node.shard_cache import ShardCache
+from p2ptrain.node.trainer_runner import TrainerRunner
+from p2ptrain.observe.dashboard import Dashboard, Snapshot, start_listener, write_peers
+from p2ptrain.observe.events import (
     CatchingUp,
     HeadAdopted,
     NodeEvent,
@@ -65,14 +73,7 @@ from p2ptrain.node.events import (
     Trained,
     update_outcome,
 )
-from p2ptrain.node.failures import FailureBook, RoleFailed
-from p2ptrain.node.persist import METRICS_KIND, NodeStore
-from p2ptrain.node.roles import role_runners
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import NothingAbove, PeerServices
-from p2ptrain.node.setup import NodeSettings, Prepared
-from p2ptrain.node.shard_cache import ShardCache
-from p2ptrain.node.status import (
+from p2ptrain.observe.status import (
     STATUS_FILE,
     Connections,
     LastWindow,
@@ -81,9 +82,8 @@ from p2ptrain.node.status import (
     ValidationMetrics,
     encode_status,
 )
-from p2ptrain.node.telemetry import NodeTelemetry, node_families
-from p2ptrain.node.trainer_runner import TrainerRunner
-from p2ptrain.node.window_history import PeerView
+from p2ptrain.observe.telemetry import NodeTelemetry, node_families
+from p2ptrain.observe.window_history import PeerView
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.metrics import MetricsBook, median

@@ -16,7 +16,7 @@ import sqlite3
 import time
 
 from p2ptrain.errors import StorageFault
-from p2ptrain.node.status import StorageProblem
+from p2ptrain.observe.status import StorageProblem
 
 __all__ = ["StorageHealth", "as_storage_fault"]
 

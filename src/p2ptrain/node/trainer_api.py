@@ -41,13 +41,13 @@ from torch.utils.data import DataLoader
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
-from p2ptrain.node.events import HeadAdopted, NodeEvent, Ready, Trained
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.launch import serve
 from p2ptrain.node.persist import median_val_loss
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.shell import Node
 from p2ptrain.node.workload_check import build_workload
+from p2ptrain.observe.events import HeadAdopted, NodeEvent, Ready, Trained
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.torch.batch_loss import BatchLoss
 from p2ptrain.torch.workload import LossFn, TorchWorkload, Workload

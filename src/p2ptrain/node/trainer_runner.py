@@ -30,7 +30,12 @@ from p2ptrain.core.manifests import InnerOptimizerSpec, ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.events import (
+from p2ptrain.node.failures import FailureBook
+from p2ptrain.node.runner import RoleRunner, Step
+from p2ptrain.node.services import PeerServices
+from p2ptrain.node.shard_cache import ShardCache
+from p2ptrain.node.trainer_window import TrainedUpdate, split_saved_state, train_update
+from p2ptrain.observe.events import (
     NodeEvent,
     Published,
     ShardsFetched,
@@ -38,12 +43,7 @@ from p2ptrain.node.events import (
     TrainingStarted,
     compute_utilisation,
 )
-from p2ptrain.node.failures import FailureBook
-from p2ptrain.node.runner import RoleRunner, Step
-from p2ptrain.node.services import PeerServices
-from p2ptrain.node.shard_cache import ShardCache
-from p2ptrain.node.status import DataStatus, TrainerWindow
-from p2ptrain.node.trainer_window import TrainedUpdate, split_saved_state, train_update
+from p2ptrain.observe.status import DataStatus, TrainerWindow
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.effects import Effect, Publish, TrainLater
 from p2ptrain.protocol.leases import Lease

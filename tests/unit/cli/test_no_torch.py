@@ -30,7 +30,7 @@ from p2ptrain.cli.main import build_parser
 from p2ptrain.core.envelope import seal
 from p2ptrain.core.experiment_config import experiment_from_toml
 from p2ptrain.core.identity import Identity
-from p2ptrain.node.status import Connections, LastWindow, NodeStatus, encode_status
+from p2ptrain.observe.status import Connections, LastWindow, NodeStatus, encode_status
 from p2ptrain.store.keyfile import create_identity, load_identity
 
 #: torch and transformers, and what runs a node, a workload, the simulator or a benchmark.

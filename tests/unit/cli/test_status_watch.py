@@ -10,7 +10,7 @@ from rich.console import Console, RenderableType
 
 from p2ptrain.cli.status_watch import render_status, render_waiting, watch_status
 from p2ptrain.errors import LocalError
-from p2ptrain.node.status import (
+from p2ptrain.observe.status import (
     Connections,
     LastWindow,
     NodeStatus,

@@ -11,7 +11,11 @@ import pytest
 
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.events import (
+from p2ptrain.node.failures import FailureBook, RoleFailed
+from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.runner import RoleRunner
+from p2ptrain.node.services import PeerServices
+from p2ptrain.observe.events import (
     HeadAdopted,
     NodeEvent,
     Ready,
@@ -19,11 +23,7 @@ from p2ptrain.node.events import (
     decode_event,
     encode_event,
 )
-from p2ptrain.node.failures import FailureBook, RoleFailed
-from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
-from p2ptrain.node.status import (
+from p2ptrain.observe.status import (
     NodeStatus,
     RoleError,
     decode_status,

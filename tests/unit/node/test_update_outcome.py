@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from p2ptrain.core.manifests import ScreeningSpec
 from p2ptrain.core.records import Head, QuarantineEntry
-from p2ptrain.node.events import update_outcome
+from p2ptrain.observe.events import update_outcome
 from p2ptrain.protocol.quarantine import next_standings
 from tests.support.builders import h
 

@@ -17,9 +17,9 @@ from p2ptrain.core.envelope import open_envelope, seal
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.errors import InvalidRecord, LocalError, ProtocolViolation
 from p2ptrain.node.evaluator import HeadEvaluator, evaluate_head
-from p2ptrain.node.events import Evaluated, NodeEvent, RoleFailure
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import NodeStore, median_val_loss
+from p2ptrain.observe.events import Evaluated, NodeEvent, RoleFailure
 from p2ptrain.protocol.metrics import MetricsBook, median
 from p2ptrain.store.datadir import DataDir
 from tests.support.builders import certified_chain, experiment, h, identity

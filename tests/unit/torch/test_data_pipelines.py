@@ -179,7 +179,7 @@ def test_sharded_data_names_a_shard_that_is_not_here(tmp_path: Path) -> None:
 
 def test_status_tells_a_person_what_the_trainer_trains_on() -> None:
     from p2ptrain.cli.node_commands import describe_status
-    from p2ptrain.node.status import DataStatus, NodeStatus
+    from p2ptrain.observe.status import DataStatus, NodeStatus
 
     status = NodeStatus(
         peer_id="p" * 64,

@@ -189,7 +189,7 @@ class NodeStatus(_Record, frozen=True):
     data: DataStatus | None = None
     #: Certified windows in the node's verified chain, the updates its heads accepted and
     #: rejected (by the reason's label), and the windows that failed here (by reason);
-    #: ``/metrics`` reports the same figures (:mod:`p2ptrain.node.telemetry`).
+    #: ``/metrics`` reports the same figures (:mod:`p2ptrain.observe.telemetry`).
     windows_certified: int = 0
     windows_failed: dict[str, int] = msgspec.field(default_factory=dict)
     updates_accepted: int = 0

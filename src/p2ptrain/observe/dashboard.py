@@ -38,9 +38,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from p2ptrain.errors import LocalError
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.server import is_loopback
-from p2ptrain.node.status import NodeStatus, read_status
-from p2ptrain.node.telemetry import node_families
-from p2ptrain.node.window_history import HISTORY_FILE, PeerView, WindowRecord, read_history
+from p2ptrain.observe.status import NodeStatus, read_status
+from p2ptrain.observe.telemetry import node_families
+from p2ptrain.observe.window_history import HISTORY_FILE, PeerView, WindowRecord, read_history
 from p2ptrain.store.atomic import write_atomically
 
 __all__ = [

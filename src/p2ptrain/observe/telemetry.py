@@ -44,8 +44,8 @@ from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, Proposal, Update
 from p2ptrain.net.net_metrics import PREFIX
-from p2ptrain.node.status import NodeStatus
-from p2ptrain.node.window_history import (
+from p2ptrain.observe.status import NodeStatus
+from p2ptrain.observe.window_history import (
     SeenUpdate,
     WindowHistory,
     reason_label,

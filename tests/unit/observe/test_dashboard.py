@@ -19,15 +19,15 @@ from p2ptrain.errors import LocalError
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.server import REASON_HEADER, NodeServer
-from p2ptrain.node.dashboard import (
+from p2ptrain.observe.dashboard import (
     MAX_LOCAL_WATCHERS,
     Dashboard,
     Snapshot,
     parse_listen,
     start_listener,
 )
-from p2ptrain.node.status import NodeStatus
-from p2ptrain.node.telemetry import node_families
+from p2ptrain.observe.status import NodeStatus
+from p2ptrain.observe.telemetry import node_families
 from p2ptrain.store.blobs import BlobStore
 from tests.support.builders import identity
 

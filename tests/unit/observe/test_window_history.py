@@ -13,9 +13,9 @@ from p2ptrain.core.certificate import QuorumCertificate, ValidatorSignature
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, Proposal, QuarantineEntry, Rejection, Update
 from p2ptrain.net.net_metrics import exposition
-from p2ptrain.node.status import NodeStatus
-from p2ptrain.node.telemetry import NodeTelemetry, node_families
-from p2ptrain.node.window_history import (
+from p2ptrain.observe.status import NodeStatus
+from p2ptrain.observe.telemetry import NodeTelemetry, node_families
+from p2ptrain.observe.window_history import (
     MAX_REASON_LABELS,
     WindowHistory,
     read_history,

@@ -24,7 +24,7 @@ import msgspec
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, QuarantineEntry
-from p2ptrain.node.events import left_out_reason
+from p2ptrain.observe.events import left_out_reason
 from p2ptrain.store.atomic import write_atomically
 
 __all__ = [

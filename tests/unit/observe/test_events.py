@@ -3,7 +3,7 @@ first step to its last."""
 
 from __future__ import annotations
 
-from p2ptrain.node.events import Trained, compute_utilisation, mean_utilisation
+from p2ptrain.observe.events import Trained, compute_utilisation, mean_utilisation
 
 
 def _trained(window: int, inner_seconds: float, ended_at: float) -> Trained:
