@@ -10,9 +10,11 @@ while a forged or rejected message goes no further than the first honest node.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +99,9 @@ class GossipRouter:
         self._seen = SeenSet(config.seen_entries, config.seen_ttl_s)
         self._handlers: dict[str, list[Handler]] = {}
         self._validators: dict[str, Validator] = {}
+        #: Our own messages, for this node's handlers (see :meth:`_deliver_own`).
+        self._own: deque[Delivered] = deque()
+        self._delivering = False
         self.connections: dict[str, PeerConnection] = {}
         self._published = self._delivered = self._forwarded = 0
         self._duplicates = self._rejected = self._unwanted = self._ignored = 0
@@ -139,9 +144,36 @@ class GossipRouter:
         self._seen.add(message_id, time.monotonic())
         self._published += 1
         self._forward(Gossip(topic, kind, data), source=None)
-        for handler in self._handlers.get(topic, ()):
-            handler(delivered)
+        self._own.append(delivered)
+        self._deliver_own()
         return True
+
+    def _deliver_own(self) -> None:
+        """Hand our own messages to this node's handlers once the code that published them
+        has returned, in the order published, never from inside a handler: from the event
+        loop when one runs here, else at the end of the outermost :meth:`publish`. A
+        handler's publications wait for the handlers before them."""
+        if self._delivering:
+            return  # the delivery under way takes it
+        self._delivering = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._drain_own()
+        else:
+            loop.call_soon(self._drain_own)
+
+    def _drain_own(self) -> None:
+        try:
+            while self._own:
+                delivered = self._own.popleft()
+                for handler in self._handlers.get(delivered.topic, ()):
+                    try:
+                        handler(delivered)
+                    except Exception:  # one handler's fault is not the others' (logged)
+                        logger.exception("handling our own %s", delivered.kind)
+        finally:
+            self._delivering = False
 
     def receive(self, connection: PeerConnection, frame: Gossip | Subscribe) -> None:
         """Handle one gossip-plane frame from a peer."""

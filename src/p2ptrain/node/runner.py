@@ -271,7 +271,7 @@ class RoleRunner:
         """Carry out one effect (the trainer takes its own first)."""
         services = self.services
         if isinstance(effect, Publish):
-            services.publish(effect.kind, effect.record, again=effect.again)
+            services.publish(effect.kind, effect.record, again=effect.again, origin=self.role)
             if not effect.again:
                 self._time_published(effect)
             self.published(effect)

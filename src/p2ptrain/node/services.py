@@ -17,10 +17,11 @@ Below the runners (they import this module, never each other), above the network
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.gossip import Delivered
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.transfer import BlobFetcher, FetchResult
 from p2ptrain.node.persist import NodeStore
@@ -59,6 +61,8 @@ _SMALL_ANSWER_S = 15.0
 _SYNC_PEERS = 3
 _SYNC_KINDS: dict[str, type[Any]] = {"update": Update, "proposal": Proposal}
 _RECENT_REPORTS = 20
+#: Our own messages whose publishing role is remembered until they come back to us.
+_ORIGINS_KEPT = 256
 #: The same report from several roles (each judged the same record) counts once.
 _SAME_REPORT_S = 5.0
 
@@ -115,6 +119,8 @@ class PeerServices:
         self.storage = StorageHealth(str(store.datadir.path))
         self._catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
+        #: The role that published each of our recent messages, until it comes back to us.
+        self._origins: OrderedDict[bytes, str] = OrderedDict()
         #: address -> (transport faults in a row, when the last was): asked last a while
         self._faults: dict[str, tuple[int, float]] = {}
 
@@ -139,12 +145,30 @@ class PeerServices:
     # -- publishing and records -----------------------------------------------------------
 
     def publish(
-        self, kind: str, record: Signed[Any] | CertifiedLink, *, again: bool = False
+        self,
+        kind: str,
+        record: Signed[Any] | CertifiedLink,
+        *,
+        again: bool = False,
+        origin: str | None = None,
     ) -> None:
-        """Send ``record`` to the peers and to every role of this node (``again``: it was
-        sent before, and goes to every neighbour once more)."""
-        data = encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
-        self.net.publish(self.topic, kind, bytes(data), again=again)
+        """Send ``record`` to the peers and to every role of this node but ``origin`` (the
+        role that made it, which holds it already: a validator counts its own vote once;
+        ``again``: it was sent before, and goes to every neighbour once more)."""
+        data = bytes(
+            encode(record) if isinstance(record, CertifiedLink) else record.envelope.encode()
+        )
+        if origin is not None:
+            self._origins[hashlib.sha256(data).digest()] = origin
+            while len(self._origins) > _ORIGINS_KEPT:
+                self._origins.popitem(last=False)
+        self.net.publish(self.topic, kind, data, again=again)
+
+    def published_by(self, message: Delivered) -> str | None:
+        """The role of this node that published ``message`` (None: a peer's, or no role's)."""
+        if message.from_peer:
+            return None
+        return self._origins.pop(hashlib.sha256(message.data).digest(), None)
 
     def remember(self, signed: Signed[Any], kind: str, height: int) -> None:
         """Keep a signed record peers may ask for by id (nodes that serve)."""

@@ -435,8 +435,10 @@ class Node:
                     self.experiment_id,
                     inner.window,
                 )
+        origin = self.services.published_by(message)  # it holds its own record already
         for runner in self.runners:
-            runner.receive(message)
+            if runner.role != origin:
+                runner.receive(message)
 
     # -- metrics reports ------------------------------------------------------------------
 
