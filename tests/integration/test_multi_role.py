@@ -42,6 +42,15 @@ def test_three_nodes_that_each_train_and_validate_certify_windows(local_net: Net
         # one adopted event per height, whichever of its roles adopted first
         heights = [e["height"] for e in net.events("adopted", name)]
         assert heights == sorted(set(heights)) and heights[-1] == WINDOWS
+        # what following the chain cost it (one chain per role today)
+        print(
+            f"{name}: {status.chains} chains, {status.heads_adopted} heads adopted, "
+            f"{status.outer_steps} outer steps, {status.certificate_checks} certificate checks"
+        )
+        assert status.heads_adopted == len(heights)
+        assert status.chains == len(status.role_states)
+        assert status.certificate_checks >= status.heads_adopted
+        assert status.outer_steps >= 1
     # every certified window took updates from more than one friend at least once: the
     # trainers' updates reach the validator in their own process and the others
     accepted = [e["accepted"] for e in net.events("adopted", "seed")]

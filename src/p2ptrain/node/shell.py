@@ -147,6 +147,8 @@ class Node:
         self._target_height = settings.until_height
         self._stored_height = 0
         self._adopted_height = 0
+        #: Heads adopted since the node started (once each, whichever role was first).
+        self._heads_adopted = 0
         #: The height adopted last (None before the first adoption, restored or not).
         self._last_height: int | None = None
         self._last_window: LastWindow | None = None
@@ -512,6 +514,7 @@ class Node:
                     self._keep_report(waiting)
         if head.height > self._adopted_height:
             self._adopted_height = head.height
+            self._heads_adopted += 1
             self._count_window(head.height, stepped=not machine.catching_up)
             now = time.monotonic()
             window = LastWindow(
@@ -738,6 +741,10 @@ class Node:
             bytes_received_by_kind=received,
             role_errors=self.failures.total,
             metrics_address=self.metrics_address,
+            chains=len(self.runners),
+            heads_adopted=self._heads_adopted,
+            outer_steps=sum(r.machine.outer_steps for r in self.runners),
+            certificate_checks=sum(r.machine.chain.certificate_checks for r in self.runners),
         )
 
     def _validation(self) -> ValidationMetrics | None:

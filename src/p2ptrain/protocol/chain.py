@@ -102,6 +102,8 @@ class HeadChain:
         genesis = genesis_head(manifest, self.experiment_id)
         self._links = [CertifiedHead(genesis, genesis.id, None)]
         self.conflicts: list[tuple[CertifiedHead, CertifiedHead]] = []
+        #: Links whose certificate this chain verified (each costs q signature checks).
+        self.certificate_checks = 0
 
     @property
     def tip(self) -> CertifiedHead:
@@ -203,6 +205,7 @@ class HeadChain:
     def _verify(
         self, parent: tuple[str, int], head: Head, certificate: QuorumCertificate
     ) -> Verdict:
+        self.certificate_checks += 1
         return verify_link(
             self.manifest, parent, head, certificate, experiment_id=self.experiment_id
         )

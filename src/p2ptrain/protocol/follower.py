@@ -68,6 +68,8 @@ class FollowerStatistics:
     last_reason: str
     aggregates_applied: int
     aggregate_mismatches: int
+    outer_steps: int
+    certificate_checks: int
     #: Empty while the base is at the tip; else where catch-up stands, for people.
     catching_up: str
 
@@ -82,6 +84,9 @@ class Follower:
     #: did not give the certified weights (then the full state was fetched).
     aggregates_applied = 0
     aggregate_mismatches = 0
+    #: Outer steps this machine took: applying a certified aggregate, or (a participant)
+    #: reducing a window to its head.
+    outer_steps = 0
 
     def __init__(
         self,
@@ -137,6 +142,8 @@ class Follower:
             "last_reason": self.last_reason,
             "aggregates_applied": self.aggregates_applied,
             "aggregate_mismatches": self.aggregate_mismatches,
+            "outer_steps": self.outer_steps,
+            "certificate_checks": self.chain.certificate_checks,
             "catching_up": self.catching_up,
         }
 
@@ -211,6 +218,7 @@ class Follower:
                 FetchState(None, tip.head, tip.head_id),
             ]
         step = outer_step(self.manifest, self.base, pseudo_gradient)
+        self.outer_steps += 1
         optimizer = None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob)
         if sha256_hex(step.weights_blob) != head.weights_blob or optimizer != head.optimizer_blob:
             self.aggregate_mismatches += 1

@@ -475,6 +475,7 @@ class Participant(Follower):
             reduction = reduce_window(self.manifest, w.base, cohort, self.leases, w.bases)
             self._reductions[key] = reduction
             if reduction.head_id is not None:
+                self.outer_steps += 1  # the reduction stepped the base to its head
                 self._by_head[reduction.head_id] = reduction
         return reduction
 

@@ -32,6 +32,11 @@ class RoleMachine(Protocol):
     def base(self) -> BaseState: ...
 
     @property
+    def outer_steps(self) -> int:
+        """Outer steps the machine took (applying certified aggregates)."""
+        ...
+
+    @property
     def last_reason(self) -> str:
         """What the machine is doing, or why the open window has no head yet."""
         ...

@@ -1,0 +1,140 @@
+"""The participant (protocol/participant.py) driven by hand: two validators (q = 2) that
+also propose take one window from updates to a certified head; each counts its own vote
+once, a proposal whose head is not the one the updates make is not attested, and a proposal
+for another window is not taken. (The early close on expected trainers:
+test_expected_trainers.py.)"""
+
+from __future__ import annotations
+
+import msgspec
+
+from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.core.envelope import Signed, seal
+from p2ptrain.core.records import Proposal, Update
+from p2ptrain.core.tensors import schema_of
+from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.sim.workloads import SyntheticWorkload
+from tests.support.builders import h, identity, synthetic_experiment
+
+WORKLOAD = SyntheticWorkload(seed=5)
+A, B = identity(1), identity(2)
+MANIFEST = msgspec.structs.replace(
+    synthetic_experiment(WORKLOAD, A.public_key, max_updates=2),
+    validators=tuple(sorted((A.public_key, B.public_key))),
+    quorum=2,
+)
+GENESIS = WORKLOAD.genesis()
+TRAINERS = [identity(30 + n) for n in range(2)]
+
+
+def _update(n: int) -> tuple[Signed[Update], bytes]:
+    machine = TrainerMachine(MANIFEST, TRAINERS[n], GENESIS)
+    (train,) = machine.start(0.0)
+    assert isinstance(train, act.Train)
+    delta, before, after = WORKLOAD.train(GENESIS, machine.lease(1), n, 1)
+    blob = bytes(make_encoder(MANIFEST.codec, schema_of(GENESIS)).encode(delta))
+    sent = machine.finish(train.window, train.base_head, blob, before, after, now=0.5)
+    (update,) = [a for a in sent if isinstance(a, act.SendUpdate)]
+    return update.update, blob
+
+
+UPDATES = [_update(n) for n in range(2)]
+
+
+def _validators() -> dict[bytes, Participant]:
+    return {
+        who.public_key: Participant(MANIFEST, who, GENESIS, validator=True, reducers=(), now=0.0)
+        for who in (A, B)
+    }
+
+
+def _of(actions: list[act.Action], kind: type[act.Action]) -> list[act.Action]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def _full_window(machines: dict[bytes, Participant]) -> dict[bytes, list[act.Action]]:
+    """Both updates to both validators: the window is full, the first proposer proposes."""
+    said: dict[bytes, list[act.Action]] = {}
+    for key, machine in machines.items():
+        said[key] = []
+        for n, (signed, blob) in enumerate(UPDATES):
+            said[key] += machine.receive_update(1.0 + n, signed, blob)
+    return said
+
+
+def test_two_validators_certify_a_window_and_each_counts_its_own_vote_once() -> None:
+    machines = _validators()
+    said = _full_window(machines)
+    (proposer,) = [k for k, actions in said.items() if _of(actions, act.SendProposal)]
+    (other,) = [k for k in machines if k != proposer]
+    (proposal,) = _of(said[proposer], act.SendProposal)
+    (own_vote,) = _of(said[proposer], act.SendAttestation)
+    assert isinstance(proposal, act.SendProposal) and isinstance(own_vote, act.SendAttestation)
+    assert not _of(said[proposer], act.SendCertificate)  # one vote of two
+
+    # its own vote handed back (as gossip would) is already counted: nothing happens
+    again = machines[proposer].receive_attestation(3.0, own_vote.attestation)
+    assert again == []
+    assert machines[proposer].window == 1
+
+    # the other validator re-derives the head from the same updates and attests it too
+    judged = machines[other].receive_proposal(3.0, proposal.proposal)
+    (vote,) = _of(judged, act.SendAttestation)
+    assert isinstance(vote, act.SendAttestation)
+    assert vote.attestation.record.head_id == proposal.proposal.record.head.id
+    assert machines[other].statistics().proposals_wrong == 0
+
+    # each one's vote completes the other's quorum: both adopt the same head
+    certified = machines[other].receive_attestation(4.0, own_vote.attestation)
+    assert _of(certified, act.SendCertificate)
+    certified = machines[proposer].receive_attestation(4.0, vote.attestation)
+    assert _of(certified, act.SendCertificate)
+    assert machines[proposer].window == machines[other].window == 2
+    tips = {m.chain.tip.head_id for m in machines.values()}
+    assert tips == {proposal.proposal.record.head.id}
+    # each reduced the window once and verified the certificate once
+    for machine in machines.values():
+        statistics = machine.statistics()
+        assert (statistics.outer_steps, statistics.certificate_checks) == (1, 1)
+
+
+def test_a_proposal_whose_head_the_updates_do_not_make_is_not_attested() -> None:
+    machines = _validators()
+    said = _full_window(machines)
+    (proposer,) = [k for k, actions in said.items() if _of(actions, act.SendProposal)]
+    (other,) = [k for k in machines if k != proposer]
+    (sent,) = _of(said[proposer], act.SendProposal)
+    assert isinstance(sent, act.SendProposal)
+    honest = sent.proposal.record
+    forged_head = msgspec.structs.replace(honest.head, weights_blob=h("other weights"))
+    liar = A if proposer == A.public_key else B
+    forged = seal(liar, msgspec.structs.replace(honest, head=forged_head))
+
+    judged = machines[other].receive_proposal(3.0, forged)
+    voted = {a.attestation.record.head_id for a in judged if isinstance(a, act.SendAttestation)}
+    assert forged.record.head.id not in voted  # (it may vote for its own honest head)
+    (blamed,) = _of(judged, act.Reported)
+    assert isinstance(blamed, act.Reported) and blamed.peer_id == liar.peer_id
+    assert machines[other].statistics().proposals_wrong == 1
+
+
+def test_a_proposal_for_another_window_is_not_taken() -> None:
+    machines = _validators()
+    said = _full_window(machines)
+    (proposer,) = [k for k, actions in said.items() if _of(actions, act.SendProposal)]
+    (other,) = [k for k in machines if k != proposer]
+    (sent,) = _of(said[proposer], act.SendProposal)
+    assert isinstance(sent, act.SendProposal)
+    liar = A if proposer == A.public_key else B
+    honest = sent.proposal.record
+    later: Proposal = msgspec.structs.replace(
+        honest,
+        window=5,
+        base_head=h("a later base"),
+        head=msgspec.structs.replace(honest.head, height=5, parent=h("a later base")),
+    )
+    assert machines[other].receive_proposal(3.0, seal(liar, later)) == []
+    assert not machines[other].holds_proposal(seal(liar, later))
+    assert machines[other].statistics().proposals_wrong == 0  # not judged: not this window
