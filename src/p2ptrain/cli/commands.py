@@ -9,12 +9,10 @@ A module's commands are consecutive here: ``--help`` lists them in this order.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
     module: str
     summary: str
 

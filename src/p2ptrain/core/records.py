@@ -12,9 +12,9 @@ import msgspec
 from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.roles import ROLES
 from p2ptrain.errors import InvalidRecord
 
-ROLES = ("reducer", "seed", "trainer", "validator", "viewer")
 REACHABILITY = ("public", "relayed", "outbound")
 
 MAX_ADDRESSES = 16

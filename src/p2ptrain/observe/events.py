@@ -9,10 +9,13 @@ demo, the Trainer API and the tests read fields, never string keys.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from p2ptrain.core.records import Head
+if TYPE_CHECKING:  # annotations only: the command line reads events without the records
+    from p2ptrain.core.records import Head
+
 
 __all__ = [
     "Attested",

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from p2ptrain.core.manifests import ExperimentManifest, WindowSpec
-from p2ptrain.core.records import Head
 from p2ptrain.errors import LocalError
+
+if TYPE_CHECKING:  # annotations only: the command line reads DEFAULT_KEEP_HEADS
+    from p2ptrain.core.manifests import ExperimentManifest, WindowSpec
+    from p2ptrain.core.records import Head
 
 __all__ = [
     "DEFAULT_KEEP_HEADS",
