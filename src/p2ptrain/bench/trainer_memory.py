@@ -20,9 +20,8 @@ other's memory:
   update and the decoding of certified heads (a trainer in a network does these too; the
   figure is the training window's).
 
-The peak is the process's ``VmHWM`` (``/proc/self/status``) read at the end of the child:
-unlike ``getrusage``'s ``ru_maxrss``, which Linux carries across ``exec`` from the forked
-parent, it covers this interpreter alone (``ru_maxrss`` is the fallback without ``/proc``).
+The peak is the process's ``VmHWM`` read at the end of the child
+(:func:`~p2ptrain.observe.memory.peak_rss_mib`).
 The trainer child also reports the high-water mark just before its optimizer state is saved.
 Steps per second: the baseline's over its loop; the trainer's over the whole window
 (training, encoding, saving), so they differ by the window's fixed costs.
@@ -32,20 +31,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Final
 
 from p2ptrain.bench.children import child_env
 from p2ptrain.core.manifests import UPDATE_CODECS
 from p2ptrain.errors import LocalError
+from p2ptrain.observe.memory import peak_rss_mib
 
-__all__ = ["MAX_RATIO", "MemoryBenchConfig", "peak_rss_mib", "run_trainer_memory_bench"]
+__all__ = ["MAX_RATIO", "MemoryBenchConfig", "run_trainer_memory_bench"]
 
 #: The requirement: a trainer's peak RSS is at most this multiple of the plain loop's.
 MAX_RATIO: Final = 2.0
@@ -83,17 +81,6 @@ class MemoryBenchConfig:
                 f"trainer-memory: codec must be one of {', '.join(UPDATE_CODECS)}, "
                 f"got {self.codec!r}"
             )
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size in MiB (see the module docstring)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_trainer_memory_bench(

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from p2ptrain.cli.bench_roles import add_roles_memory
 from p2ptrain.cli.commands import add_command
 from p2ptrain.cli.usage import show_usage
 
@@ -144,8 +145,13 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     chaos.add_argument("--json", action="store_true", help="print one JSON object")
     chaos.set_defaults(handler=run_chaos)
 
-    _add_trainer_memory(sub)
+    _add_memory(sub)
     bench.set_defaults(handler=lambda _args: show_usage(bench))
+
+
+def _add_memory(sub: Any) -> None:
+    _add_trainer_memory(sub)
+    add_roles_memory(sub)
 
 
 def _add_trainer_memory(sub: Any) -> None:

@@ -11,7 +11,7 @@ def mib(size: int) -> str:
     return f"{size / (1 << 20):,.1f} MiB"
 
 
-__all__ = ["store_text", "tallies", "validation_text"]
+__all__ = ["chain_text", "store_text", "tallies", "validation_text"]
 
 
 def store_text(status: NodeStatus) -> str:
@@ -34,8 +34,19 @@ def validation_text(v: ValidationMetrics) -> str:
     )
 
 
+def chain_text(status: NodeStatus) -> str:
+    """What following the chain cost the node since it started, and its peak memory."""
+    text = (
+        f"{status.chains} copy for its roles; {status.heads_adopted} heads adopted, "
+        f"{status.outer_steps} outer steps, {status.certificate_checks} certificates verified"
+    )
+    if status.peak_rss_mib:
+        text += f"; peak memory {status.peak_rss_mib:,.1f} MiB"
+    return text
+
+
 def tallies(status: NodeStatus) -> list[tuple[str, str]]:
-    """The counters, label first: windows, updates, bytes by kind, metrics."""
+    """The counters, label first: windows, updates, the chain, bytes by kind, metrics."""
 
     def by_reason(counts: dict[str, int]) -> str:
         return ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
@@ -49,6 +60,8 @@ def tallies(status: NodeStatus) -> list[tuple[str, str]]:
     if rejected:
         updates += f" ({by_reason(status.updates_rejected)})"
     lines = [("windows", windows), ("updates", updates)]
+    if status.heads_adopted or status.peak_rss_mib:
+        lines.append(("chain", chain_text(status)))
     for direction, counts in (
         ("sent", status.bytes_sent_by_kind),
         ("received", status.bytes_received_by_kind),

@@ -6,15 +6,18 @@
 * ``seed`` or ``viewer`` alone: a plain :class:`~.runner.RoleRunner` around a
   :class:`Follower`, which keeps each certified head's weights to serve and export.
 
-A node of several roles holds several runners (a trainer that validates: two); a seed or
-viewer beside a trainer or participant needs no runner of its own, since every machine
-follows the chain and keeps the weights of the head it builds on.
+A node of several roles holds several runners (a trainer that validates: two) over one
+:class:`Follower`: one chain, one copy of the weights and outer-optimizer state, each
+certificate verified once. The first runner (the participant's, when there is one: it
+computes heads) takes the chain's inputs; the node tells the others when the base moved. A
+seed or viewer beside a trainer or participant needs no runner of its own.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from p2ptrain.errors import LocalError
 from p2ptrain.node.failures import FailureBook
@@ -30,7 +33,14 @@ from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["role_runners"]
+__all__ = ["NodeRoles", "role_runners"]
+
+
+class NodeRoles(NamedTuple):
+    """A node's one follower and its runners (the first takes the chain's inputs)."""
+
+    follower: Follower
+    runners: list[RoleRunner]
 
 
 def role_runners(
@@ -44,13 +54,14 @@ def role_runners(
     votes: Mapping[int, str],
     shards: ShardCache | None = None,
     presence_timeout_s: float | None = None,
-) -> list[RoleRunner]:
+) -> NodeRoles:
     """The runners of a node holding ``roles`` (``votes``: a validator's stored votes;
     ``presence_timeout_s``: how long a trainer not heard from is still expected to report)."""
     chosen = set(roles)
     manifest, identity, genesis = prepared.experiment.record, prepared.identity, prepared.genesis
     experiment = prepared.experiment.record_id[:16]
     key = identity.public_key
+    follower = Follower(manifest, identity, genesis)
     runners: list[RoleRunner] = []
     if chosen & {"validator", "reducer"}:
         validator = "validator" in chosen
@@ -68,7 +79,7 @@ def role_runners(
         participant = Participant(
             manifest,
             identity,
-            genesis,
+            follower,
             validator=validator,
             reducers=manifest.reducers,
             now=time.monotonic(),
@@ -79,10 +90,9 @@ def role_runners(
     if "trainer" in chosen:
         if workload is None:
             raise LocalError("a trainer needs a workload (the model and data to train)")
-        machine = TrainerMachine(manifest, identity, genesis)
+        machine = TrainerMachine(manifest, identity, follower)
         runners.append(TrainerRunner(machine, workload, services, failures, emit, shards=shards))
     if not runners:  # a seed or viewer: follow the chain, keep the weights
         role = "seed" if "seed" in chosen else "viewer"
-        follower = Follower(manifest, identity, genesis)
         runners.append(RoleRunner(role, follower, services, failures, emit))
-    return runners
+    return NodeRoles(follower, runners)

@@ -20,14 +20,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.core.certificate import CertifiedLink
-from p2ptrain.core.records import Attestation, Proposal
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.records import Attestation, Proposal, Update
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
+from p2ptrain.node.catch_up import fetch_chain, sync_window
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.services import PeerServices
 from p2ptrain.observe.events import CatchingUp, NodeEvent
@@ -40,6 +42,7 @@ from p2ptrain.protocol.effects import (
     ChainFetch,
     Effect,
     Fetch,
+    KeepState,
     Publish,
     RecordFetch,
     Request,
@@ -95,6 +98,7 @@ class RoleRunner:
         self._noticed = ""
         #: Whether the role was catching up when last looked at (it is said once).
         self._behind = False
+        self._handlers = self.handlers()
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -210,6 +214,11 @@ class RoleRunner:
         """Tell the machine what the node saw of its peers before it acts (by default:
         nothing)."""
 
+    def base_moved(self, adopted: act.Adopted) -> None:
+        """Another role of the node adopted a head on the follower this one shares."""
+        with self.guard("adopting a head"):
+            self.execute(self.policy.base_moved(time.monotonic(), adopted))
+
     def offer_links(self, page: ChainPage) -> None:
         """A catch-up page the node's periodic sync fetched: verify and adopt its links,
         then fetch what follows."""
@@ -252,7 +261,7 @@ class RoleRunner:
                     raise
                 logger.warning("%s: %s failed: %s", self.role, what, exc)
             else:
-                if isinstance(effect, StoreBlob | StoreRecord | StoreVote):
+                if isinstance(effect, StoreBlob | KeepState | StoreRecord | StoreVote):
                     storage.succeeded()
         self._wake.set()
         self._say_catching_up()
@@ -267,35 +276,56 @@ class RoleRunner:
             logger.info("%s: %s", self.role, reason)
             self.emit(CatchingUp(peer_id=self.services.peer_id, role=self.role, reason=reason))
 
-    def do(self, effect: Effect) -> None:
-        """Carry out one effect (the trainer takes its own first)."""
+    def handlers(self) -> dict[type[Any], Callable[[Any], object]]:
+        """How this role carries out each kind of effect: the dispatch table of :meth:`do`
+        (a role adds its own, or replaces one, in its override)."""
         services = self.services
-        if isinstance(effect, Publish):
-            services.publish(effect.kind, effect.record, again=effect.again, origin=self.role)
-            if not effect.again:
-                self._time_published(effect)
-            self.published(effect)
-        elif isinstance(effect, StoreBlob):
-            services.store.blobs.put(effect.data)
-        elif isinstance(effect, StoreRecord):
-            services.remember(effect.signed, effect.kind, effect.window)
-        elif isinstance(effect, StoreVote):
-            services.store.put_vote(effect.height, effect.head_id)
-        elif isinstance(effect, Fetch):
-            self.spawn(self._fetch(effect), _FETCHING[type(effect.request)])
-        elif isinstance(effect, act.Adopted):
-            services.on_adopted(self.machine, effect)
-        elif isinstance(effect, act.Reported):
-            services.report(effect.peer_id, effect.reason)
-        elif isinstance(effect, act.Notice):
-            if effect.reason != self._noticed:  # once, until something else is said
-                self._noticed = effect.reason
-                logger.warning("%s: %s", self.role, effect.reason)
-                self.emit(
-                    CatchingUp(peer_id=services.peer_id, role=self.role, reason=effect.reason)
-                )
-        else:
+        return {
+            Publish: self._send,
+            StoreBlob: self._store_blob,
+            KeepState: self._keep_state,
+            StoreRecord: lambda e: services.remember(e.signed, e.kind, e.window),
+            StoreVote: lambda e: services.store.put_vote(e.height, e.head_id),
+            Fetch: lambda e: self.spawn(self._fetch(e), _FETCHING[type(e.request)]),
+            act.Adopted: lambda e: services.on_adopted(self.machine, e),
+            act.Reported: lambda e: services.report(e.peer_id, e.reason),
+            act.Notice: self._notice,
+        }
+
+    def do(self, effect: Effect) -> None:
+        """Carry out one effect, as :meth:`handlers` says."""
+        handler = self._handlers.get(type(effect))
+        if handler is None:
             raise TypeError(f"the {self.role} role has no use for {type(effect).__name__}")
+        handler(effect)
+
+    def _store_blob(self, effect: StoreBlob) -> None:
+        blobs = self.services.store.blobs
+        if effect.blob_id is None or not blobs.has(effect.blob_id):
+            blobs.put(effect.data)
+
+    def _keep_state(self, effect: KeepState) -> None:
+        head, blobs = effect.head, self.services.store.blobs
+        if blobs.has(head.weights_blob) and (
+            head.optimizer_blob is None or blobs.has(head.optimizer_blob)
+        ):
+            return
+        for blob in effect.blobs() or ():
+            if blob is not None:
+                blobs.put(blob)
+
+    def _send(self, effect: Publish) -> None:
+        self.services.publish(effect.kind, effect.record, again=effect.again, origin=self.role)
+        if not effect.again:
+            self._time_published(effect)
+        self.published(effect)
+
+    def _notice(self, effect: act.Notice) -> None:
+        if effect.reason != self._noticed:  # once, until something else is said
+            self._noticed = effect.reason
+            logger.warning("%s: %s", self.role, effect.reason)
+            peer_id = self.services.peer_id
+            self.emit(CatchingUp(peer_id=peer_id, role=self.role, reason=effect.reason))
 
     def published(self, effect: Publish) -> None:
         """``effect`` went out (roles tell their events)."""
@@ -330,31 +360,49 @@ class RoleRunner:
             self.execute(self.policy.fetched(time.monotonic(), request, answer))
 
     async def _answer(self, request: Request) -> Any:
-        services = self.services
-        if isinstance(request, BlobFetch):
-            update = request.update.record
-            return await services.fetch_blob(
-                update.delta_blob, request.first, size=update.delta_bytes, kind="update"
-            )
-        if isinstance(request, RecordFetch):
-            signed = await services.fetch_update_record(request.update_id, request.proposer)
-            if signed is None:
-                raise TransportError(f"nobody served update {request.update_id[:12]}")
-            return signed
-        if isinstance(request, StateFetch):
-            return await services.fetch_head_blobs(request.head, request.first)
-        if isinstance(request, AggregateFetch):
-            assert request.head.aggregate_blob is not None
-            return await services.fetch_blob(
-                request.head.aggregate_blob, request.first, kind="aggregate"
-            )
-        if isinstance(request, WindowSync):
-            return await services.sync_window(request.window, request.held)
-        address = None
+        """The answer to ``request`` from the network (the fetch's kind picks how)."""
+        answer: Callable[[RoleRunner, Any], Awaitable[Any]] = _ANSWERS[type(request)]
+        return await answer(self, request)
+
+    async def _update_blob(self, request: BlobFetch) -> bytes:
+        update = request.update.record
+        return await self.services.fetch_blob(
+            update.delta_blob, request.first, size=update.delta_bytes, kind="update"
+        )
+
+    async def _update_record(self, request: RecordFetch) -> Signed[Update]:
+        signed = await self.services.fetch_update_record(request.update_id, request.proposer)
+        if signed is None:
+            raise TransportError(f"nobody served update {request.update_id[:12]}")
+        return signed
+
+    async def _head_state(self, request: StateFetch) -> tuple[bytes, bytes | None]:
+        return await self.services.fetch_head_blobs(request.head, request.first)
+
+    async def _aggregate(self, request: AggregateFetch) -> bytes:
+        assert request.head.aggregate_blob is not None
+        blob_id = request.head.aggregate_blob
+        return await self.services.fetch_blob(blob_id, request.first, kind="aggregate")
+
+    async def _window_records(self, request: WindowSync) -> list[Signed[Any]]:
+        return await sync_window(self.services, request.window, request.held)
+
+    async def _chain_page(self, request: ChainFetch) -> ChainPage:
+        services, address = self.services, None
         if request.peer is not None and request.peer != services.peer_id:
             address = services.net.address_of(request.peer)
-        return await services.fetch_chain(lambda: self.machine.chain.height, address)
+        return await fetch_chain(services, lambda: self.machine.chain.height, address)
 
+
+#: How each kind of fetch is answered (the dispatch table of :meth:`RoleRunner._answer`).
+_ANSWERS: dict[type[Any], Callable[[RoleRunner, Any], Awaitable[Any]]] = {
+    BlobFetch: RoleRunner._update_blob,
+    RecordFetch: RoleRunner._update_record,
+    StateFetch: RoleRunner._head_state,
+    AggregateFetch: RoleRunner._aggregate,
+    WindowSync: RoleRunner._window_records,
+    ChainFetch: RoleRunner._chain_page,
+}
 
 _FETCHING = {
     BlobFetch: "fetching an update",

@@ -6,11 +6,12 @@ Below the runners (they import this module, never each other), above the network
   seeds, then every reachable peer we know, each verified by hash, none trusted;
 * **fetch with blame** -- blobs through the verifying :class:`BlobFetcher` (a provider that
   serves bytes with another hash is reported by its signed peer record), update records by
-  id, a head's weights, a catch-up chain;
+  id, a head's weights (a catch-up page and a window's records: :mod:`.catch_up`); an
+  outbound-only trainer's update blob pushed to a reachable peer;
 * **key lookup** -- the public key behind a peer id or an address;
 * **reporting** -- a peer proven to misbehave is logged, struck and shown in the status;
 * **publishing** -- a record goes out on the experiment's topic (gossip hands it to this
-  node's own subscription too, so every role of the node sees it);
+  node's own subscription too, after the effects under way: every other role sees it);
 * **records** -- the signed updates and proposals a node that serves keeps for its peers.
 """
 
@@ -29,7 +30,7 @@ from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.records import Head, PeerRecord, Proposal, Update
+from p2ptrain.core.records import Head, PeerRecord, Update
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
 from p2ptrain.net.node import NetNode
@@ -40,11 +41,11 @@ from p2ptrain.observe.events import NodeEvent, PeerReported
 from p2ptrain.observe.status import PeerReport
 from p2ptrain.observe.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
-from p2ptrain.protocol.chain import HELD_HEADS_REPORTED, MAX_LINKS_PER_PAGE, ChainPage
 from p2ptrain.protocol.intake import Admission
+from p2ptrain.protocol.policy import FETCH_ATTEMPTS
 from p2ptrain.protocol.role import RoleMachine
 
-__all__ = ["NothingAbove", "PeerServices", "experiment_topic"]
+__all__ = ["PeerServices", "experiment_topic"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +57,12 @@ _FAULT_MEMORY_S = 60.0
 #: A record is asked of one provider; while none answered, of one more every this often.
 _HEDGE_S = 1.0
 #: The longest wait for one provider's answer to a small request (a record, a chain).
-_SMALL_ANSWER_S = 15.0
-#: A window sync asks this many peers which records they hold.
-_SYNC_PEERS = 3
-_SYNC_KINDS: dict[str, type[Any]] = {"update": Update, "proposal": Proposal}
+SMALL_ANSWER_S = 15.0
 _RECENT_REPORTS = 20
 #: Our own messages whose publishing role is remembered until they come back to us.
 _ORIGINS_KEPT = 256
 #: The same report from several roles (each judged the same record) counts once.
 _SAME_REPORT_S = 5.0
-
-
-class NothingAbove(TransportError):
-    """No peer asked for the certified chain had heads above ours (said with what each
-    did): the usual answer of a node's periodic sync, not a fault."""
 
 
 def experiment_topic(experiment_id: str) -> str:
@@ -97,6 +90,7 @@ class PeerServices:
         on_adopted: Callable[[RoleMachine, act.Adopted], None],
         on_update: Callable[[Update], None] | None = None,
         telemetry: NodeTelemetry | None = None,
+        storage: StorageHealth | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -116,8 +110,9 @@ class PeerServices:
         self._net: NetNode | None = None
         self._fetcher: BlobFetcher | None = None
         #: Whether local writes go through (a full disk is reported once, not per write).
-        self.storage = StorageHealth(str(store.datadir.path))
-        self._catching_up = asyncio.Lock()
+        self.storage = storage or StorageHealth(str(store.datadir.path))
+        #: One catch-up page asked at a time (:func:`~.catch_up.fetch_chain`).
+        self.catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
         #: The role that published each of our recent messages, until it comes back to us.
         self._origins: OrderedDict[bytes, str] = OrderedDict()
@@ -303,17 +298,17 @@ class PeerServices:
         self, addresses: Sequence[str], ask: Callable[[str], Awaitable[T | None]]
     ) -> T | None:
         """``ask`` the first address, and one more every ``_HEDGE_S`` while none answered
-        (each bounded by ``_SMALL_ANSWER_S``); the first answer that is not None wins and the
+        (each bounded by ``SMALL_ANSWER_S``); the first answer that is not None wins and the
         other questions are cancelled. A hung or slow peer costs a second, not a timeout."""
         queue = list(addresses)
         pending: set[asyncio.Task[T | None]] = set()
 
         async def bounded(address: str) -> T | None:
             try:
-                async with asyncio.timeout(_SMALL_ANSWER_S):
+                async with asyncio.timeout(SMALL_ANSWER_S):
                     return await ask(address)
             except TimeoutError:
-                self.transport_fault(address, f"no answer within {_SMALL_ANSWER_S:g}s")
+                self.transport_fault(address, f"no answer within {SMALL_ANSWER_S:g}s")
                 return None
 
         try:
@@ -335,104 +330,29 @@ class PeerServices:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def fetch_chain(
-        self,
-        height: Callable[[], int],
-        address: str | None = None,
-        among: Sequence[str] | None = None,
-    ) -> ChainPage:
-        """A page of the certified heads above ``height()`` from a peer (``address``, or
-        those ``among``, or the providers; hedged): the first answer with links above ours,
-        with what its node holds. One catch-up page at a time (a role waits for another's,
-        then asks only for what it still lacks). The links are checked by the machine that
-        receives them. Raises :class:`TransportError` saying what each peer asked did when
-        none had heads above ours."""
-        async with self._catching_up:
-            above = height()
-            outcomes: dict[str, str] = {}
-
-            async def ask(provider: str) -> ChainPage | None:
+    async def push_blob(self, blob_id: str, dropped: Callable[[], str | None], window: int) -> bool:
+        """An outbound-only trainer hands its update blob to a reachable peer (a seed
+        first), trying again while the window is open. False when the push was dropped
+        (``dropped()`` says why: the window was certified meanwhile, or the blob is gone;
+        neither is the role's failure)."""
+        path = self.store.blobs.path(blob_id)
+        errors = []
+        for attempt in range(FETCH_ATTEMPTS):
+            for address in self.providers():
+                if (reason := dropped()) is not None:
+                    logger.info("window %d: update blob %s not pushed: %s", window,
+                                blob_id[:12], reason)  # fmt: skip
+                    return False
                 try:
-                    answer = await self.net.client.head_links(provider, self.experiment_id, above)
-                except TransportError as exc:
-                    self.transport_fault(provider, str(exc))
-                    outcomes[provider] = str(exc)
-                    return None
-                except ProtocolViolation as exc:
-                    self.blame(provider, f"served a bad page of certified heads: {exc}")
-                    outcomes[provider] = f"a bad answer ({exc})"
-                    return None
-                links = tuple(
-                    (h, c) for h, c in answer.links[:MAX_LINKS_PER_PAGE] if h.height > above
-                )
-                if not links:
-                    outcomes[provider] = f"no certified heads above height {above} (its tip: "
-                    outcomes[provider] += f"{answer.tip})"
-                    return None
-                held = frozenset(sorted(answer.held)[-HELD_HEADS_REPORTED:])
-                return ChainPage(links, answer.tip, held, self.key_at(provider))
-
-            if address is not None:
-                among = [address]
-            asked = self.providers() if among is None else list(among)
-            found = await self.first_answer(asked, ask)
-            if found is None:
-                said = "; ".join(f"{a}: {outcomes.get(a, 'no answer')}" for a in asked)
-                raise NothingAbove(f"catch-up above height {above}: {said or 'no peers'}")
-            return found
-
-    async def sync_window(self, window: int, held: frozenset[str]) -> list[Signed[Any]]:
-        """Anti-entropy: ask a few peers which updates and proposals of ``window`` they keep
-        and fetch the ones not in ``held`` from whoever named them. Each record is verified
-        (signature, its id) and judged by the node's intake rules, like gossip."""
-        peers = self.providers()[:_SYNC_PEERS]
-
-        async def holdings(address: str) -> list[tuple[str, str, str]]:
-            try:
-                async with asyncio.timeout(_SMALL_ANSWER_S):
-                    answer = await self.net.client.window_records(
-                        address, self.experiment_id, window
-                    )
-            except (TransportError, TimeoutError) as exc:
-                self.transport_fault(address, str(exc) or "no answer")
-                return []
-            except ProtocolViolation as exc:
-                self.blame(address, f"answered a window sync badly: {exc}")
-                return []
-            return [
-                *(("update", i, address) for i in answer.updates),
-                *(("proposal", i, address) for i in answer.proposals),
-            ]
-
-        wanted: dict[str, tuple[str, str]] = {}
-        for named in await asyncio.gather(*(holdings(a) for a in peers)):
-            for kind, record_id, address in named:
-                if record_id not in held:
-                    wanted.setdefault(record_id, (kind, address))
-
-        async def fetch(record_id: str, kind: str, address: str) -> Signed[Any] | None:
-            try:
-                async with asyncio.timeout(_SMALL_ANSWER_S):
-                    raw = await self.net.client.record(address, record_id)
-                signed = open_envelope(raw, _SYNC_KINDS[kind])
-                if signed.record_id != record_id or signed.record.window != window:
-                    raise ProtocolViolation(f"named {kind} {record_id[:12]} but served another")
-            except (TransportError, TimeoutError) as exc:
-                self.transport_fault(address, str(exc) or "no answer")
-                return None
-            except ProtocolViolation as exc:
-                self.blame(address, f"served a bad {kind} in a window sync: {exc}")
-                return None
-            admission = self.admit(signed)
-            if admission.rejected and admission.blame:
-                self.report(admission.blame, f"{kind} rejected: {admission.reason}")
-            return signed if admission.accepted else None
-
-        found = await asyncio.gather(*(fetch(i, k, a) for i, (k, a) in wanted.items()))
-        records = [signed for signed in found if signed is not None]
-        if records:
-            logger.info("window %d: a sync found %d record(s) we lacked", window, len(records))
-        return records
+                    if await self.net.client.push_blob(address, blob_id, path):
+                        self.telemetry.count_bytes("sent", "update", path.stat().st_size)
+                    return True
+                except FileNotFoundError:
+                    continue  # collected as we opened it: said above, on the next turn
+                except (TransportError, ProtocolViolation) as exc:
+                    errors.append(f"{address}: {exc}")
+            await asyncio.sleep(0.5 * 2**attempt)
+        raise TransportError(f"no peer took update blob {blob_id[:12]}: {'; '.join(errors[-3:])}")
 
     # -- reporting ------------------------------------------------------------------------
 

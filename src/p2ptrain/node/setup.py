@@ -8,20 +8,14 @@ Three ways in, tried in this order:
    seed signs a network manifest and the experiment manifest with its own key, filling in
    what a registered workload computes (dataset shards, schema hash, genesis weights,
    ``lease_size = inner_steps x batch size``) unless the file sets them.
-3. **Joining.** ``experiment_id`` names the experiment: the signed network manifest comes
-   from the bootstrap seeds (without credentials; it is only trusted because the
-   experiment, whose id we were given, names its id), then the experiment manifest (checked
-   to hash to the id) and the genesis weights (checked against the manifest) with signed
-   requests. Every bootstrap is asked at once and every one that answers serves the
-   genesis weights; the join fails only when all of them failed.
+3. **Joining.** ``experiment_id`` names the experiment: the manifests and the genesis
+   weights come from the bootstrap seeds, every one asked at once (:mod:`.join`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +34,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
 from p2ptrain.data.prepare import PreparedDataset, read_prepared
-from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
-from p2ptrain.net.auth import ClientCredentials
-from p2ptrain.net.client import PeerClient, fetch_network_manifest
-from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
@@ -55,10 +46,12 @@ __all__ = [
     "ROLES",
     "NodeSettings",
     "Prepared",
+    "decode_genesis",
     "definition_data",
     "new_secret",
     "prepare",
     "read_definition",
+    "remember_manifests",
 ]
 
 logger = logging.getLogger(__name__)
@@ -212,7 +205,9 @@ async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
         )
     if not settings.bootstrap:
         raise LocalError("joining needs a seed: pass --bootstrap http://SEED:PORT")
-    return await _joined(settings, identity, store, settings.experiment_id)
+    from p2ptrain.node.join import joined  # it builds on this module's records
+
+    return await joined(settings, identity, store, settings.experiment_id)
 
 
 def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepared:
@@ -224,7 +219,7 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
     if raw_network is None:
         raise LocalError(f"{store.datadir.path}: the network manifest is missing; rejoin")
     network = open_envelope(raw_network, NetworkManifest)
-    genesis = _decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
+    genesis = decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
     return Prepared(identity, network, experiment, genesis)
 
 
@@ -363,11 +358,11 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     if data is not None:
         import_prepared(store.blobs, data, manifest.dataset)
     store.blobs.put(genesis_blob)
-    _remember(store, signed_network, signed)
+    remember_manifests(store, signed_network, signed)
     return Prepared(identity, signed_network, signed, dict(genesis))
 
 
-def _remember(
+def remember_manifests(
     store: NodeStore, network: Signed[NetworkManifest], experiment: Signed[ExperimentManifest]
 ) -> None:
     store.state.put_record(
@@ -386,196 +381,8 @@ def _remember(
     store.remember_experiment(experiment.record_id)
 
 
-#: Once the first bootstrap answered a join, how long the others may still answer before the
-#: genesis fetch starts without them: twice the first one's time, within these bounds (what
-#: a dead bootstrap can cost a join). One that answers later is asked if that fetch fails.
-_ANSWER_GRACE_S = (0.25, 1.0)
-
-_Manifests = tuple[Signed[NetworkManifest], Signed[ExperimentManifest]]
-
-
-class _Answers:
-    """The bootstraps' answers to a join as they come: the manifests, who answered them (in
-    the order they answered), why each other one failed, and the requests still out."""
-
-    def __init__(self, asks: dict[asyncio.Task[_Manifests], str]) -> None:
-        self._asks = asks
-        self._pending = set(asks)
-        self.started = time.monotonic()
-        self.manifests: _Manifests | None = None
-        self.answered: list[str] = []
-        self.errors: dict[str, str] = {}
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    async def wait_next(self) -> None:
-        """Take the next answer or failure (each request is bounded by its own timeout)."""
-        await self._take(asyncio.FIRST_COMPLETED, None)
-
-    async def wait_all(self, timeout_s: float) -> None:
-        """Take what comes within ``timeout_s``; the requests left stay out."""
-        await self._take(asyncio.ALL_COMPLETED, timeout_s)
-
-    async def _take(self, when: str, timeout_s: float | None) -> None:
-        if not self._pending:
-            return
-        done, self._pending = await asyncio.wait(self._pending, timeout=timeout_s, return_when=when)
-        for task in [t for t in self._asks if t in done]:  # the operator's order
-            address, error = self._asks[task], task.exception()
-            if error is None:
-                # every answer is the same pair of manifests: _experiment_from checked that
-                # the experiment hashes to the id asked for and names the network's id
-                self.manifests = self.manifests or task.result()
-                self.answered.append(address)
-            elif isinstance(error, TransportError | ProtocolViolation):
-                self.errors[address] = str(error)
-            else:
-                raise error
-
-
-async def _joined(
-    settings: NodeSettings, identity: Identity, store: NodeStore, experiment_id: str
-) -> Prepared:
-    """Ask every bootstrap at once for the experiment and keep every one that answers: the
-    genesis weights come from all that answered by the time the first did and a short grace
-    passed (the fetcher races them and drops a slow one); should that fetch fail, it
-    resumes from those that answered since. No request is cancelled while the join may
-    still need it, so the join fails only once every bootstrap failed, saying what each
-    did."""
-    addresses = list(dict.fromkeys(settings.bootstrap))
-    asks = {
-        asyncio.create_task(_answer_of(settings, identity, experiment_id, a)): a for a in addresses
-    }
-    answers = _Answers(asks)
-    try:
-        prepared = await _genesis_from(settings, identity, store, experiment_id, answers)
-    finally:
-        for task in asks:  # the join has what it needs (or failed): the rest are not asked
-            task.cancel()
-        await asyncio.gather(*asks, return_exceptions=True)
-    if prepared is not None:
-        return prepared
-    raise LocalError(
-        f"cannot join experiment {experiment_id[:16]}: "
-        + "; ".join(f"{a}: {answers.errors[a]}" for a in addresses)
-        + ". Check the seed addresses and that the seeds run this experiment"
-    )
-
-
-async def _genesis_from(
-    settings: NodeSettings,
-    identity: Identity,
-    store: NodeStore,
-    experiment_id: str,
-    answers: _Answers,
-) -> Prepared | None:
-    """Fetch the genesis weights from the bootstraps that answered, in rounds: each round
-    asks those that answered since the last round failed. None once every bootstrap failed
-    (``answers.errors`` says why, for each)."""
-    tried: list[str] = []
-    client: PeerClient | None = None
-    faults: dict[str, str] = {}  # the latest fault of each provider, as the fetcher saw it
-    try:
-        while fresh := await _next_round(answers, tried):
-            tried += fresh
-            assert answers.manifests is not None  # someone answered
-            network, experiment = answers.manifests
-            if client is None:
-                client = PeerClient(
-                    ClientCredentials(network.record, identity, secret=settings.secret)
-                )
-            fetcher = BlobFetcher(
-                client, store.blobs, timeout_s=settings.fetch_timeout_s, on_fault=faults.__setitem__
-            )
-            try:
-                await fetcher.fetch(experiment.record.genesis_weights, fresh)
-            except StorageFault as exc:
-                raise LocalError(
-                    f"cannot store the genesis weights of experiment {experiment_id[:16]}: "
-                    f"{exc.problem} ({exc.path}); free disk space there (or make it "
-                    "writable) and start the node again"
-                ) from exc
-            except (TransportError, ProtocolViolation) as exc:
-                for address in fresh:
-                    answers.errors[address] = f"the genesis weights: {faults.get(address, exc)}"
-                logger.info(
-                    "joining %s: no genesis weights from %s (%s)%s",
-                    experiment_id[:16],
-                    ", ".join(fresh),
-                    exc,
-                    "; waiting for the other bootstraps" if answers.pending else "",
-                )
-                continue
-            return _adopted(identity, store, network, experiment)
-        return None
-    finally:
-        if client is not None:
-            await client.close()
-
-
-async def _next_round(answers: _Answers, tried: list[str]) -> list[str]:
-    """The bootstraps to fetch the genesis weights from next: those that answered and were
-    not tried yet, once one did (the first round also waits a short grace for the others);
-    none once every bootstrap answered or failed and all that answered were tried."""
-    while answers.pending and len(answers.answered) == len(tried):
-        await answers.wait_next()
-    if not tried and answers.answered:
-        low, high = _ANSWER_GRACE_S
-        first_s = time.monotonic() - answers.started
-        await answers.wait_all(min(high, max(low, 2 * first_s)))
-    return [a for a in answers.answered if a not in tried]
-
-
-def _adopted(
-    identity: Identity,
-    store: NodeStore,
-    network: Signed[NetworkManifest],
-    experiment: Signed[ExperimentManifest],
-) -> Prepared:
-    """Keep the manifests of an experiment whose genesis weights are in the store."""
-    genesis = _decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
-    if schema_hash(genesis) != experiment.record.workload.schema_hash:
-        raise LocalError(
-            f"the genesis weights of experiment {experiment.record_id[:16]} (as its manifest "
-            "names them) do not match its schema hash: the experiment is broken; ask its "
-            "seed's operator"
-        )
-    _remember(store, network, experiment)
-    return Prepared(identity, network, experiment, genesis)
-
-
-async def _answer_of(
-    settings: NodeSettings, identity: Identity, experiment_id: str, address: str
-) -> _Manifests:
-    """:func:`_experiment_from`, bounded by ``settings.join_timeout_s``."""
-    try:
-        async with asyncio.timeout(settings.join_timeout_s):
-            return await _experiment_from(settings, identity, experiment_id, address)
-    except TimeoutError:
-        raise TransportError(f"no answer within {settings.join_timeout_s:g}s") from None
-
-
-async def _experiment_from(
-    settings: NodeSettings, identity: Identity, experiment_id: str, address: str
-) -> _Manifests:
-    """The network and experiment manifests as ``address`` serves them, checked."""
-    network = open_envelope(await fetch_network_manifest(address), NetworkManifest)
-    client = PeerClient(ClientCredentials(network.record, identity, secret=settings.secret))
-    try:
-        raw = await client.record(address, experiment_id)
-    finally:
-        await client.close()
-    experiment = open_envelope(raw, ExperimentManifest)
-    if experiment.record_id != experiment_id:
-        raise ProtocolViolation(f"{address} answered another experiment")
-    if experiment.record.network_id != network.record_id:
-        raise ProtocolViolation(f"{address} serves another network than the experiment's")
-    return network, experiment
-
-
-def _decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
+def decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
+    """The genesis weights from their blob (a LocalError when they do not decode)."""
     try:
         return decode_state_dict(blob, max_bytes=_MAX_GENESIS_BYTES)
     except ProtocolViolation as exc:

@@ -15,11 +15,13 @@ after the policy's back-off (2, 4, ... s), the same window again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -29,12 +31,12 @@ from p2ptrain.core.envelope import Signed
 from p2ptrain.core.manifests import InnerOptimizerSpec, ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
-from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.errors import LocalError
 from p2ptrain.node.failures import FailureBook
 from p2ptrain.node.runner import RoleRunner, Step
 from p2ptrain.node.services import PeerServices
 from p2ptrain.node.shard_cache import ShardCache
-from p2ptrain.node.trainer_window import TrainedUpdate, split_saved_state, train_update
+from p2ptrain.node.trainer_window import TrainedUpdate, restore_trainer_state, train_update
 from p2ptrain.observe.events import (
     NodeEvent,
     Published,
@@ -45,9 +47,9 @@ from p2ptrain.observe.events import (
 )
 from p2ptrain.observe.status import DataStatus, TrainerWindow
 from p2ptrain.protocol import actions as act
-from p2ptrain.protocol.effects import Effect, Publish, TrainLater
+from p2ptrain.protocol.effects import Publish, TrainLater
 from p2ptrain.protocol.leases import Lease
-from p2ptrain.protocol.policy import FETCH_ATTEMPTS, TrainerPolicy
+from p2ptrain.protocol.policy import TrainerPolicy
 from p2ptrain.protocol.reduction import BaseState
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.capabilities import PreparedDataUser, RateScheduled
@@ -151,24 +153,44 @@ class TrainerRunner(RoleRunner):
 
     def start(self, now: float) -> None:
         """Train the window after the head we hold (restored or genesis)."""
-        self._load_state()
+        restore_trainer_state(
+            self.services.store, self.services.experiment_id, self.workload, self._encoder
+        )
         super().start(now)
 
-    def do(self, effect: Effect) -> None:
-        if isinstance(effect, act.Adopted):
+    def handlers(self) -> dict[type[Any], Callable[[Any], object]]:
+        handlers = super().handlers()
+        adopted, publish = handlers[act.Adopted], handlers[Publish]
+
+        def settled(effect: act.Adopted) -> None:
             self._settle(effect)
-            super().do(effect)
-        elif isinstance(effect, act.Train):
-            if self.machine.base.head_id == effect.base_head:
-                self._train_base = self.machine.base
-            self._pending = effect
-            self._train_ready.set()
-        elif isinstance(effect, Publish) and effect.blob is not None:  # our update
-            self.spawn(self._publish(effect), "publishing an update", self.window)
-        elif isinstance(effect, TrainLater):
-            self.spawn(self._train_later(effect), "waiting to train again", effect.train.window)
-        else:
-            super().do(effect)
+            adopted(effect)
+
+        def update_or(effect: Publish) -> None:
+            if effect.blob is None:
+                publish(effect)
+            else:  # our update: it goes out once a peer can fetch its blob
+                self.spawn(self._publish(effect), "publishing an update", self.window)
+
+        return {
+            **handlers,
+            act.Adopted: settled,
+            act.Train: self._to_train,
+            Publish: update_or,
+            TrainLater: lambda e: self.spawn(
+                self._train_later(e), "waiting to train again", e.train.window
+            ),
+        }
+
+    def _to_train(self, effect: act.Train) -> None:
+        if self.machine.base.head_id == effect.base_head:
+            self._train_base = self.machine.base
+        self._pending = effect
+        self._train_ready.set()
+
+    def base_moved(self, adopted: act.Adopted) -> None:
+        self._settle(adopted)
+        super().base_moved(adopted)
 
     async def _train_forever(self) -> None:
         machine = self.machine
@@ -319,10 +341,16 @@ class TrainerRunner(RoleRunner):
         services = self.services
         signed, blob = effect.record, effect.blob
         assert isinstance(signed, Signed) and blob is not None
-        if services.net.address is None and not await self._push(
-            sha256_hex(blob), signed.record.window
-        ):
-            return
+        window, blob_id = signed.record.window, sha256_hex(blob)
+        if services.net.address is None:
+            self.pushing.add(blob_id)  # the collector keeps it meanwhile
+            try:
+                dropped = functools.partial(self._push_dropped, blob_id, window)
+                pushed = await services.push_blob(blob_id, dropped, window)
+            finally:
+                self.pushing.discard(blob_id)
+            if not pushed:
+                return
         if effect.again:
             # said again because no proposal named it: it must reach someone this time
             async with asyncio.timeout(_RESEND_WAIT_S):
@@ -344,36 +372,6 @@ class TrainerRunner(RoleRunner):
             )
         )
 
-    async def _push(self, blob_id: str, window: int) -> bool:
-        """An outbound-only trainer hands its blob to a reachable peer (a seed first),
-        trying again while the window is open. False when the push was dropped: the window
-        was certified meanwhile, or the blob is gone (said with the reason; neither is the
-        role's failure). The collector keeps the blob while it is pushed (:attr:`pushing`)."""
-        services = self.services
-        path = services.store.blobs.path(blob_id)
-        errors = []
-        self.pushing.add(blob_id)
-        try:
-            for attempt in range(FETCH_ATTEMPTS):
-                for address in services.providers():
-                    dropped = self._push_dropped(blob_id, window)
-                    if dropped is not None:
-                        logger.info("window %d: update blob %s not pushed: %s", window,
-                                    blob_id[:12], dropped)  # fmt: skip
-                        return False
-                    try:
-                        if await services.net.client.push_blob(address, blob_id, path):
-                            services.telemetry.count_bytes("sent", "update", path.stat().st_size)
-                        return True
-                    except FileNotFoundError:
-                        continue  # collected as we opened it: said above, on the next turn
-                    except (TransportError, ProtocolViolation) as exc:
-                        errors.append(f"{address}: {exc}")
-                await asyncio.sleep(0.5 * 2**attempt)
-        finally:
-            self.pushing.discard(blob_id)
-        raise TransportError(f"no peer took update blob {blob_id[:12]}: {'; '.join(errors[-3:])}")
-
     def _push_dropped(self, blob_id: str, window: int) -> str | None:
         """Why pushing ``blob_id`` (our update of ``window``) is no longer worth it."""
         if self.machine.chain.height >= window:
@@ -381,26 +379,6 @@ class TrainerRunner(RoleRunner):
         if not self.services.store.blobs.has(blob_id):
             return "the blob is no longer in the store"
         return None
-
-    def _load_state(self) -> None:
-        loaded = self.services.store.load_trainer_state()
-        if loaded is None:
-            return
-        tensors, metadata = loaded
-        if metadata.get("experiment") != self.services.experiment_id:
-            logger.warning("ignoring a trainer state saved for another experiment")
-            return
-        optimizer, residuals = split_saved_state(tensors)
-        self.workload.load_optimizer_state(optimizer)
-        try:
-            self._encoder.load_residuals(residuals)
-        except LocalError as exc:
-            logger.warning("starting the codec's error feedback from zero: %s", exc)
-        logger.info(
-            "inner optimizer state%s restored (window %s)",
-            " and error-feedback residuals" if residuals else "",
-            metadata.get("window"),
-        )
 
     def _settle(self, adopted: act.Adopted) -> None:
         """Our updates of windows the chain has now certified: one the head did not accept

@@ -8,6 +8,7 @@ encoding with the experiment's codec, and the inner optimizer state handed to ``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
@@ -15,9 +16,19 @@ from typing import NamedTuple
 import torch
 
 from p2ptrain.aggregate.codecs import UpdateEncoder
+from p2ptrain.errors import LocalError
+from p2ptrain.node.persist import NodeStore
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["RESIDUAL_PREFIX", "TrainedUpdate", "split_saved_state", "train_update"]
+__all__ = [
+    "RESIDUAL_PREFIX",
+    "TrainedUpdate",
+    "restore_trainer_state",
+    "split_saved_state",
+    "train_update",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Where the codec's error-feedback residuals sit in the saved trainer state (next to the
 #: inner optimizer's tensors), so a restarted trainer sends what it had not sent yet.
@@ -85,3 +96,28 @@ def split_saved_state(
         else:
             optimizer[name] = tensor
     return optimizer, residuals
+
+
+def restore_trainer_state(
+    store: NodeStore, experiment_id: str, workload: Workload, encoder: UpdateEncoder
+) -> None:
+    """After a restart: the inner optimizer state and the codec's residuals the trainer saved
+    in its own data directory (never bytes from a peer), if saved for this experiment."""
+    loaded = store.load_trainer_state()
+    if loaded is None:
+        return
+    tensors, metadata = loaded
+    if metadata.get("experiment") != experiment_id:
+        logger.warning("ignoring a trainer state saved for another experiment")
+        return
+    optimizer, residuals = split_saved_state(tensors)
+    workload.load_optimizer_state(optimizer)
+    try:
+        encoder.load_residuals(residuals)
+    except LocalError as exc:
+        logger.warning("starting the codec's error feedback from zero: %s", exc)
+    logger.info(
+        "inner optimizer state%s restored (window %s)",
+        " and error-feedback residuals" if residuals else "",
+        metadata.get("window"),
+    )

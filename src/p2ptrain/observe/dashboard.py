@@ -107,8 +107,9 @@ class _Fresh:
 
 class Dashboard:
     """The dashboard's routes over ``snapshot`` (and ``/metrics`` when ``metrics`` is
-    given: for a listener of the dashboard's own). :meth:`close` ends the pages' event
-    streams, so that a server stops at once even while a browser follows it."""
+    given: for a listener of the dashboard's own). :meth:`close` (or leaving it as a context)
+    ends the pages' event streams, so that a server stops at once even while a browser
+    follows it."""
 
     def __init__(
         self, snapshot: SnapshotSource, metrics: Callable[[], bytes] | None = None
@@ -120,6 +121,13 @@ class Dashboard:
 
     def close(self) -> None:
         self._closing.set()
+
+    async def __aenter__(self) -> Dashboard:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """End the event streams (before the server that serves them stops)."""
+        self.close()
 
     def routes(self) -> list[web.RouteDef]:
         routes = [

@@ -205,13 +205,15 @@ class NodeStatus(_Record, frozen=True):
     #: Where ``--metrics-listen`` serves ``/metrics`` and the dashboard (None: not asked).
     metrics_address: str | None = None
     #: What following the chain costs this node since it started: the copies of the chain
-    #: (and of the weights and outer state) its roles keep, the heads it adopted, the outer
-    #: steps its roles took and the certificates they verified (each costs ``quorum``
-    #: signature checks).
+    #: (and of the weights and outer state) it keeps (one, whatever its roles), the heads it
+    #: adopted, the outer steps that moved its base and the certificates it verified (each
+    #: costs ``quorum`` signature checks).
     chains: int = 0
     heads_adopted: int = 0
     outer_steps: int = 0
     certificate_checks: int = 0
+    #: The node process's peak resident memory so far, in MiB (0: not measured).
+    peak_rss_mib: float = 0.0
 
     @property
     def reasons(self) -> list[str]:

@@ -44,6 +44,7 @@ from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Head, Proposal, Update
 from p2ptrain.net.net_metrics import PREFIX
+from p2ptrain.observe.events import NodeEvent, Published, RoleFailure, Trained
 from p2ptrain.observe.status import NodeStatus
 from p2ptrain.observe.window_history import (
     SeenUpdate,
@@ -186,6 +187,16 @@ class NodeTelemetry:
         since = self.marked(height, "proposal")
         self.phase(height, "attest", now - (self._adopted_at if since is None else since))
         self.saw_attestation(height, now)
+
+    def event(self, event: NodeEvent, now: float) -> None:
+        """What the node's roles said that the phases count: a window trained, an update
+        published, a role's step that failed."""
+        if isinstance(event, Trained):
+            self.trained(event.window, event.inner_seconds or event.seconds, now)
+        elif isinstance(event, Published):
+            self.published(event.window, now)
+        elif isinstance(event, RoleFailure):
+            self.window_failed(event.window, "role_error")
 
     def trained(self, window: int, inner_seconds: float, now: float) -> None:
         self.phase(window, "train", inner_seconds)

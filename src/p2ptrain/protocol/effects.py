@@ -9,6 +9,7 @@ them out and hands each fetch's outcome back to the policy (:meth:`RolePolicy.fe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "ChainFetch",
     "Effect",
     "Fetch",
+    "KeepState",
     "Publish",
     "RecordFetch",
     "Request",
@@ -49,9 +51,21 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class StoreBlob:
-    """Keep these bytes (peers fetch them by hash)."""
+    """Keep these bytes (peers fetch them by hash); ``blob_id``, their hash when known: a
+    transport that holds it already skips the write."""
 
     data: bytes
+    blob_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeepState:
+    """Keep the weights and optimizer state of the adopted head ``head`` (peers fetch them,
+    and a restart resumes from them): ``blobs()`` encodes them, asked only by a transport
+    that does not hold them yet (a state fetched from a peer is held already)."""
+
+    head: Head
+    blobs: Callable[[], tuple[bytes, bytes | None] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +165,7 @@ class TrainLater:
 Effect = (
     Publish
     | StoreBlob
+    | KeepState
     | StoreRecord
     | StoreVote
     | Fetch

@@ -21,7 +21,7 @@ holds the state it needs, it says that too (a :class:`~.actions.Notice`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from p2ptrain.protocol.chain import CertifiedHead, ChainPage, HeadChain
 from p2ptrain.protocol.reduction import BaseState, outer_step
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 
-__all__ = ["Follower", "FollowerStatistics"]
+__all__ = ["ChainRole", "Follower", "FollowerStatistics"]
 
 #: The largest weights or optimizer blob a follower decodes (4 GiB).
 MAX_STATE_BYTES = 4 << 30
@@ -75,8 +75,11 @@ class FollowerStatistics:
 
 
 class Follower:
-    """The chain-following part shared by trainers, reducers and validators (and, alone,
-    the machine of seeds and viewers)."""
+    """A node's one view of the certified chain: its :class:`HeadChain`, the base state it
+    builds on (weights and outer-optimizer state, one copy) and the encoded state it
+    serves. Alone it is the machine of seeds and viewers; a trainer, reducer or validator is
+    a :class:`ChainRole` over it, and the roles of one node share one follower (each
+    certificate verified once, one outer step per head)."""
 
     #: What the machine did last, or why the open window has no head yet.
     last_reason = "following the certified chain"
@@ -84,8 +87,8 @@ class Follower:
     #: did not give the certified weights (then the full state was fetched).
     aggregates_applied = 0
     aggregate_mismatches = 0
-    #: Outer steps this machine took: applying a certified aggregate, or (a participant)
-    #: reducing a window to its head.
+    #: Outer steps that moved the base: applying a certified aggregate, or adopting a head
+    #: a participant of this node reduced (the step its reduction took).
     outer_steps = 0
 
     def __init__(
@@ -110,16 +113,12 @@ class Follower:
         self._tip_seen = 0
         #: Why the base cannot reach the chain's tip now (no provider holds a state).
         self._stalled: str | None = None
-
-    # --- what subclasses add -------------------------------------------------------------
+        #: The state of a head this node computed (a participant's reductions), if any.
+        self.state_source: Callable[[str], BaseState | None] | None = None
 
     def _known_state(self, head_id: str) -> BaseState | None:
-        """The state of ``head_id`` if this role computed it (validators, reducers)."""
-        return None
-
-    def _on_base(self, now: float) -> list[Action]:
-        """Called after :attr:`base` moved to a new canonical head."""
-        return []
+        """The state of ``head_id`` if a role of this node computed it (its reduction)."""
+        return None if self.state_source is None else self.state_source(head_id)
 
     # --- the driver's clock ------------------------------------------------------------
 
@@ -128,6 +127,10 @@ class Follower:
         return None
 
     def tick(self, now: float) -> list[Action]:
+        return []
+
+    def on_base(self, now: float) -> list[Action]:
+        """A follower alone does nothing more when its base moved."""
         return []
 
     def statistics(self) -> FollowerStatistics:
@@ -179,6 +182,7 @@ class Follower:
         head_id = self.chain.tip.head_id
         known = self._known_state(head_id)
         if known is not None:
+            self.outer_steps += 1  # the step our reduction took, now the base
             return self._adopt(now, known, verdict.reason)
         after_base = self._next_link()
         if after_base is not None:
@@ -392,7 +396,114 @@ class Follower:
         if state.head.height >= self.chain.height:
             self._tip_seen = 0  # at the tip of what was verified: a tip only named is dropped
         self.last_reason = f"adopted height {state.head.height}: {reason}"
-        return [Adopted(state.head, state.head_id, reason), *self._on_base(now)]
+        return [Adopted(state.head, state.head_id, reason)]
+
+
+class ChainRole:
+    """A role's window logic over a node's :class:`Follower` (composition: the roles of one
+    node share it). The chain inputs pass to the follower; when one moved the base, the
+    role that handed it on reacts (:meth:`on_base`); the node tells its other roles."""
+
+    #: What the role did last, or why the open window has no head yet.
+    last_reason = "following the certified chain"
+
+    def __init__(self, follower: Follower) -> None:
+        self.follower = follower
+        self.manifest = follower.manifest
+        self.identity = follower.identity
+        self.key = follower.key
+        self.experiment_id = follower.experiment_id
+
+    @staticmethod
+    def follower_of(
+        manifest: ExperimentManifest,
+        identity: Identity,
+        follow: Mapping[str, torch.Tensor] | Follower,
+    ) -> Follower:
+        """The follower a role is built over: the node's (shared), or a new one from the
+        genesis weights (a role alone)."""
+        if not isinstance(follow, Follower):
+            return Follower(manifest, identity, follow)
+        if follow.manifest != manifest or follow.key != identity.public_key:
+            raise ValueError("a role shares the follower of its own node and experiment")
+        return follow
+
+    @property
+    def chain(self) -> HeadChain:
+        return self.follower.chain
+
+    @property
+    def base(self) -> BaseState:
+        return self.follower.base
+
+    @property
+    def outer_steps(self) -> int:
+        return self.follower.outer_steps
+
+    @property
+    def catching_up(self) -> str:
+        return self.follower.catching_up
+
+    def on_base(self, now: float) -> list[Action]:
+        """The follower's base moved to a new canonical head (through this role, or
+        another role of the node)."""
+        return []
+
+    def _moved(self, now: float, actions: list[Action]) -> list[Action]:
+        if any(isinstance(a, Adopted) for a in actions):
+            return [*actions, *self.on_base(now)]
+        return actions
+
+    def _chain_statistics(self) -> dict[str, Any]:
+        return {**self.follower._chain_statistics(), "last_reason": self.last_reason}
+
+    # --- the chain's inputs, through the follower ----------------------------------------
+
+    def receive_certificate(
+        self, now: float, head: Head, certificate: QuorumCertificate, sender: bytes
+    ) -> list[Action]:
+        return self._moved(now, self.follower.receive_certificate(now, head, certificate, sender))
+
+    def receive_aggregate(self, now: float, head_id: str, aggregate_blob: bytes) -> list[Action]:
+        return self._moved(now, self.follower.receive_aggregate(now, head_id, aggregate_blob))
+
+    def receive_state(
+        self, now: float, head_id: str, weights_blob: bytes, optimizer_blob: bytes | None
+    ) -> list[Action]:
+        return self._moved(
+            now, self.follower.receive_state(now, head_id, weights_blob, optimizer_blob)
+        )
+
+    def receive_links(self, now: float, page: ChainPage) -> list[Action]:
+        return self._moved(now, self.follower.receive_links(now, page))
+
+    def receive_chain(
+        self,
+        now: float,
+        links: Sequence[tuple[Head, QuorumCertificate]],
+        weights_blob: bytes,
+        optimizer_blob: bytes | None,
+        sender: bytes,
+    ) -> list[Action]:
+        return self._moved(
+            now,
+            self.follower.receive_chain(now, links, weights_blob, optimizer_blob, sender),
+        )
+
+    def state_unavailable(self, head: Head, head_id: str) -> list[Action]:
+        return self.follower.state_unavailable(head, head_id)
+
+    def resume_catch_up(self) -> list[Action]:
+        return self.follower.resume_catch_up()
+
+    def window_bases(self) -> tuple[str, ...]:
+        return self.follower.window_bases()
+
+    def state_of(self, head_id: str) -> tuple[bytes, bytes | None] | None:
+        return self.follower.state_of(head_id)
+
+    def aggregate_of(self, head_id: str) -> bytes | None:
+        return self.follower.aggregate_of(head_id)
 
 
 def _encoded(tensors: Mapping[str, torch.Tensor]) -> bytes:

@@ -63,7 +63,7 @@ from p2ptrain.protocol.actions import (
     SendProposal,
     SyncWindow,
 )
-from p2ptrain.protocol.follower import Follower, FollowerStatistics
+from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.proposers import proposer_order
 from p2ptrain.protocol.quorum import AttestationBook
@@ -87,6 +87,8 @@ LATE_WINDOWS = 3
 @dataclass(frozen=True, slots=True)
 class ParticipantStatistics(FollowerStatistics):
     window: int
+    #: Windows reduced to a head (our own cohort, or a proposal's we recomputed).
+    reductions: int
     updates: int
     proposals_judged: int
     proposals_wrong: int
@@ -114,21 +116,26 @@ class _Window:
     synced_in_slot: int = -1
 
 
-class Participant(Follower):
-    """A reducer (``validator=False``: proposes, never attests) or a validator."""
+class Participant(ChainRole):
+    """A reducer (``validator=False``: proposes, never attests) or a validator, over the
+    node's follower (``follow``; or the genesis weights, for a participant alone). The heads
+    it reduces are the follower's known states: adopting one needs no second outer step."""
 
     def __init__(
         self,
         manifest: ExperimentManifest,
         identity: Identity,
-        genesis_weights: Mapping[str, torch.Tensor],
+        follow: Mapping[str, torch.Tensor] | Follower,
         *,
         validator: bool,
         reducers: Sequence[bytes],
         now: float = 0.0,
         presence_timeout_s: float | None = None,
     ) -> None:
-        super().__init__(manifest, identity, genesis_weights)
+        super().__init__(self.follower_of(manifest, identity, follow))
+        if self.follower.state_source is not None:
+            raise ValueError("a node holds one participant (reducer, validator or both)")
+        self.follower.state_source = self._known_state
         if presence_timeout_s is not None and presence_timeout_s <= 0:
             raise ValueError(f"presence_timeout_s must be positive, got {presence_timeout_s}")
         self.presence_timeout_s = presence_timeout_s
@@ -152,6 +159,7 @@ class Participant(Follower):
         self.last_reason = "window open"
         self.judged_count = 0
         self.wrong_count = 0
+        self.reductions = 0
         self._window = self._open(self.base, now)
 
     # --- window lifecycle ----------------------------------------------------------------
@@ -182,7 +190,7 @@ class Participant(Follower):
         and proposals were in memory and are gone, so the window restarts at ``now``."""
         self._window = self._open(self.base, now)
 
-    def _on_base(self, now: float) -> list[Action]:
+    def on_base(self, now: float) -> list[Action]:
         self._window = self._open(self.base, now)
         self.last_reason = f"window {self.base.window} open on {self.base.head_id[:12]}"
         return []
@@ -475,7 +483,7 @@ class Participant(Follower):
             reduction = reduce_window(self.manifest, w.base, cohort, self.leases, w.bases)
             self._reductions[key] = reduction
             if reduction.head_id is not None:
-                self.outer_steps += 1  # the reduction stepped the base to its head
+                self.reductions += 1  # an outer step: the follower's once adopted
                 self._by_head[reduction.head_id] = reduction
         return reduction
 
@@ -618,6 +626,7 @@ class Participant(Follower):
         return ParticipantStatistics(
             **self._chain_statistics(),
             window=w.base.window,
+            reductions=self.reductions,
             updates=len(w.updates),
             proposals_judged=self.judged_count,
             proposals_wrong=self.wrong_count,

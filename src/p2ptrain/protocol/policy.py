@@ -32,6 +32,7 @@ role machine; a node of several roles runs one per machine.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -48,6 +49,7 @@ from p2ptrain.protocol.effects import (
     ChainFetch,
     Effect,
     Fetch,
+    KeepState,
     Publish,
     RecordFetch,
     Request,
@@ -219,10 +221,21 @@ class RolePolicy:
             fetch = self._chain_fetch(now, peer_id_of(action.peer), action.after_height)
             return [] if fetch is None else [fetch]
         if isinstance(action, act.Adopted):
-            return [action, *self.adopted(now, action)]
+            # the head's state and aggregate are kept before the transport stores the head
+            return [*self._keep_head(action), action, *self.adopted(now, action)]
         if isinstance(action, act.Reported | act.Notice | act.Train):
             return [action]
         raise TypeError(f"{type(self.machine).__name__} has no use for {type(action).__name__}")
+
+    def _keep_head(self, action: act.Adopted) -> list[Effect]:
+        """An adopted head's state (encoded only if the transport lacks it) and aggregate
+        (peers that hold its parent fetch only that)."""
+        head, head_id, machine = action.head, action.head_id, self.machine
+        effects: list[Effect] = [KeepState(head, functools.partial(machine.state_of, head_id))]
+        aggregate = machine.aggregate_of(head_id)
+        if aggregate is not None and head.aggregate_blob is not None:
+            effects.append(StoreBlob(aggregate, head.aggregate_blob))
+        return effects
 
     def _chain_fetch(self, now: float, peer: str | None, after: int) -> Fetch | None:
         """A catch-up page to ask for, unless one is in flight (its answer asks for the
@@ -235,6 +248,10 @@ class RolePolicy:
     def adopted(self, now: float, action: act.Adopted) -> list[Effect]:
         """The machine moved to a new canonical head (after the transport learnt of it)."""
         return []
+
+    def base_moved(self, now: float, action: act.Adopted) -> list[Effect]:
+        """Another role of the node moved the follower this role shares to a new head."""
+        return self.carry(now, self.machine.on_base(now)) + self.adopted(now, action)
 
     @staticmethod
     def _again(request: BlobFetch | RecordFetch | StateFetch | AggregateFetch) -> Fetch:

@@ -23,7 +23,8 @@ __all__ = ["RoleMachine"]
 
 
 class RoleMachine(Protocol):
-    """A role's state machine: :class:`~.follower.Follower` and its subclasses."""
+    """A role's state machine: a :class:`~.follower.Follower` (seeds, viewers) or a
+    :class:`~.follower.ChainRole` over one."""
 
     @property
     def chain(self) -> HeadChain: ...
@@ -84,6 +85,10 @@ class RoleMachine(Protocol):
         ...
 
     def tick(self, now: float) -> list[Action]: ...
+
+    def on_base(self, now: float) -> list[Action]:
+        """Another role of the node moved the shared follower's base."""
+        ...
 
     def statistics(self) -> FollowerStatistics:
         """A frozen record: the chain's counts, and the role's own (a subclass of it)."""

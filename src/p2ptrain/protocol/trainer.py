@@ -26,7 +26,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Proposal, Update
 from p2ptrain.protocol.actions import Action, SendUpdate, Train
-from p2ptrain.protocol.follower import Follower, FollowerStatistics
+from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import Lease, lease_for
 
 __all__ = ["TrainerMachine", "TrainerStatistics"]
@@ -52,8 +52,9 @@ class _Sent:
     again: bool = False
 
 
-class TrainerMachine(Follower):
-    """Trains each window from the canonical head and publishes one update per window.
+class TrainerMachine(ChainRole):
+    """Trains each window from the canonical head and publishes one update per window,
+    over the node's follower (``follow``; or the genesis weights, for a trainer alone).
 
     With ``window.staleness`` s > 0 the trainer does not wait for a window to be certified:
     once it published window ``w`` it trains window ``w + 1`` on the head it holds, as long
@@ -74,9 +75,9 @@ class TrainerMachine(Follower):
         self,
         manifest: ExperimentManifest,
         identity: Identity,
-        genesis_weights: Mapping[str, torch.Tensor],
+        follow: Mapping[str, torch.Tensor] | Follower,
     ) -> None:
-        super().__init__(manifest, identity, genesis_weights)
+        super().__init__(self.follower_of(manifest, identity, follow))
         #: Updates sent, by window, until their window is certified.
         self._sent: dict[int, _Sent] = {}
 
@@ -84,7 +85,7 @@ class TrainerMachine(Follower):
         """Begin: train the window after the current head."""
         return self._next(now)
 
-    def _on_base(self, now: float) -> list[Action]:
+    def on_base(self, now: float) -> list[Action]:
         for window in [w for w in self._sent if w < self.base.window]:
             del self._sent[window]  # certified (or given up): nothing to send again
         training = self._training

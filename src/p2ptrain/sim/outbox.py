@@ -21,7 +21,7 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Head
 from p2ptrain.protocol.effects import Publish
-from p2ptrain.protocol.follower import Follower
+from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.sim.engine import Network
 from p2ptrain.sim.invariants import Observer
 from p2ptrain.sim.scenario import Scenario
@@ -40,7 +40,7 @@ class Sender:
     name: str
     identity: Identity
     behaviour: str
-    machine: Follower
+    machine: RoleMachine
 
 
 class Outbox:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from p2ptrain.protocol.effects import (
     ChainFetch,
     Effect,
     Fetch,
+    KeepState,
     Publish,
     RecordFetch,
     Request,
@@ -54,10 +56,10 @@ from p2ptrain.protocol.effects import (
     TrainLater,
     WindowSync,
 )
-from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.intake import IntakeRules
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.policy import RolePolicy, TrainerPolicy, policy_for
+from p2ptrain.protocol.role import RoleMachine
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.adversaries import trained_update
 from p2ptrain.sim.engine import LinkSpec, Network, Partition, Simulator
@@ -81,7 +83,7 @@ def _identity(seed: int, name: str) -> Identity:
 class _Node:
     name: str
     identity: Identity
-    machine: Follower
+    machine: RoleMachine
     role: str  # trainer | validator | reducer
     behaviour: str = "honest"
     up: bool = True
@@ -119,6 +121,7 @@ class World:
         self.workload = make_workload(scenario.workload, scenario.seed)
         self.genesis = self.workload.genesis()
         self.nodes: dict[str, _Node] = {}
+        self._handlers = self._effect_handlers()
         self.by_peer: dict[str, str] = {}
         self._tokens = 0
         names = self._names()
@@ -362,42 +365,48 @@ class World:
     # --- effects -------------------------------------------------------------------------
 
     def _carry(self, node: _Node, effects: list[Effect]) -> None:
-        """Carry out a node's effects in order: the simulator is only their transport."""
+        """Carry out a node's effects in order: the simulator is only their transport (how,
+        for each kind of effect: :meth:`_effect_handlers`)."""
         for effect in effects:
-            if isinstance(effect, Publish):
-                self.outbox.publish(node.sender, effect)
-            elif isinstance(effect, StoreBlob):
-                node.blobs[sha256_hex(effect.data)] = effect.data
-            elif isinstance(effect, StoreRecord):
-                record_id = effect.signed.record_id
-                if record_id not in node.records:
-                    node.by_window.setdefault(effect.window, []).append((effect.kind, record_id))
-                node.records[record_id] = bytes(effect.signed.envelope.encode())
-            elif isinstance(effect, StoreVote):
-                pass  # the machine's votes outlive a simulated crash already
-            elif isinstance(effect, Fetch):
-                self.sim.call_later(effect.delay_s, functools.partial(self._try, node, effect))
-            elif isinstance(effect, TrainLater):
-                due = functools.partial(self._due, node, effect.train)
-                self.sim.call_later(effect.delay_s, due)
-            elif isinstance(effect, act.Train):
-                self._train(node, effect)
-            elif isinstance(effect, act.Reported):
-                self.observer.reported(node.name, effect.peer_id, effect.reason)
-            elif isinstance(effect, act.Adopted):
-                self._keep_head(node, effect)
-                self.observer.adopted(node.name, effect.head, effect.head_id, self.sim.now)
+            self._handlers[type(effect)](node, effect)
 
-    def _keep_head(self, node: _Node, adopted: act.Adopted) -> None:
+    def _effect_handlers(self) -> dict[type[Any], Callable[[_Node, Any], None]]:
+        return {
+            Publish: lambda node, e: self.outbox.publish(node.sender, e),
+            StoreBlob: lambda node, e: node.blobs.__setitem__(
+                e.blob_id or sha256_hex(e.data), e.data
+            ),
+            KeepState: self._keep_state,
+            StoreRecord: self._store_record,
+            StoreVote: lambda node, e: None,  # the machine's votes outlive a simulated crash
+            Fetch: lambda node, e: self.sim.call_later(
+                e.delay_s, functools.partial(self._try, node, e)
+            ),
+            TrainLater: lambda node, e: self.sim.call_later(
+                e.delay_s, functools.partial(self._due, node, e.train)
+            ),
+            act.Train: self._train,
+            act.Reported: lambda node, e: self.observer.reported(node.name, e.peer_id, e.reason),
+            act.Adopted: lambda node, e: self.observer.adopted(
+                node.name, e.head, e.head_id, self.sim.now
+            ),
+            act.Notice: lambda node, e: None,  # said once to a person: nobody reads it here
+        }
+
+    @staticmethod
+    def _store_record(node: _Node, effect: StoreRecord) -> None:
+        record_id = effect.signed.record_id
+        if record_id not in node.records:
+            node.by_window.setdefault(effect.window, []).append((effect.kind, record_id))
+        node.records[record_id] = bytes(effect.signed.envelope.encode())
+
+    @staticmethod
+    def _keep_state(node: _Node, effect: KeepState) -> None:
         """The adopted head's state is kept (peers fetch it from here)."""
-        head = adopted.head
-        if head.weights_blob not in node.blobs:
-            for blob in node.machine.state_of(adopted.head_id) or ():
+        if effect.head.weights_blob not in node.blobs:
+            for blob in effect.blobs() or ():
                 if blob is not None:
                     node.blobs[sha256_hex(blob)] = blob
-        aggregate = node.machine.aggregate_of(adopted.head_id)
-        if aggregate is not None:
-            node.blobs[sha256_hex(aggregate)] = aggregate
 
     def _due(self, node: _Node, train: act.Train) -> None:
         if node.up and isinstance(node.policy, TrainerPolicy):

@@ -7,12 +7,14 @@ test_expected_trainers.py.)"""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.records import Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.workloads import SyntheticWorkload
@@ -98,6 +100,7 @@ def test_two_validators_certify_a_window_and_each_counts_its_own_vote_once() -> 
     for machine in machines.values():
         statistics = machine.statistics()
         assert (statistics.outer_steps, statistics.certificate_checks) == (1, 1)
+        assert statistics.reductions == 1
 
 
 def test_a_proposal_whose_head_the_updates_do_not_make_is_not_attested() -> None:
@@ -138,3 +141,38 @@ def test_a_proposal_for_another_window_is_not_taken() -> None:
     assert machines[other].receive_proposal(3.0, seal(liar, later)) == []
     assert not machines[other].holds_proposal(seal(liar, later))
     assert machines[other].statistics().proposals_wrong == 0  # not judged: not this window
+
+
+def test_a_trainer_and_a_validator_of_one_node_follow_one_chain() -> None:
+    """Roles composed over one follower: the validator's reduction is the head both adopt
+    (one outer step, one certificate check, one copy of the weights), and the trainer learns
+    of the new base from the node (on_base), which asks it to train the next window."""
+    follower = Follower(MANIFEST, A, GENESIS)
+    validator = Participant(MANIFEST, A, follower, validator=True, reducers=(), now=0.0)
+    trainer = TrainerMachine(MANIFEST, A, follower)
+    other = Participant(MANIFEST, B, GENESIS, validator=True, reducers=(), now=0.0)
+    machines = {A.public_key: validator, B.public_key: other}
+    said = _full_window(machines)
+    (proposer,) = [k for k, actions in said.items() if _of(actions, act.SendProposal)]
+    (judge,) = [k for k in machines if k != proposer]
+    (proposal,) = _of(said[proposer], act.SendProposal)
+    assert isinstance(proposal, act.SendProposal)
+    judged = machines[judge].receive_proposal(3.0, proposal.proposal)
+    # A needs the vote of B: B's own (B proposed) or B's judgement of A's proposal
+    (vote,) = _of(said[proposer] if proposer == B.public_key else judged, act.SendAttestation)
+    assert isinstance(vote, act.SendAttestation)
+    adopted = validator.receive_attestation(4.0, vote.attestation)
+    assert _of(adopted, act.Adopted) and not _of(adopted, act.Train)  # the trainer's own
+    assert trainer.base is validator.base is follower.base and trainer.chain.height == 1
+    (train,) = trainer.on_base(4.0)
+    assert isinstance(train, act.Train) and train.window == 2
+    statistics = follower.statistics()
+    assert (statistics.outer_steps, statistics.certificate_checks) == (1, 1)
+    assert trainer.statistics().outer_steps == 1
+
+
+def test_a_node_holds_one_participant() -> None:
+    follower = Follower(MANIFEST, A, GENESIS)
+    Participant(MANIFEST, A, follower, validator=True, reducers=(), now=0.0)
+    with pytest.raises(ValueError, match="one participant"):
+        Participant(MANIFEST, A, follower, validator=False, reducers=(), now=0.0)
