@@ -31,7 +31,7 @@ from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.records import Head, PeerRecord, Update
-from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.transfer import BlobFetcher, FetchResult
@@ -70,7 +70,8 @@ def experiment_topic(experiment_id: str) -> str:
 
 
 class PeerServices:
-    """What the runners of one node share. ``attach`` it to the network before use.
+    """What the runners of one node share: its network (``net``; a blob fetch gives up on a
+    provider after ``fetch_timeout_s``) and its store.
 
     ``admit`` judges the records that did not come by gossip (a window sync's) by the node's
     intake rules; ``on_adopted`` is told when a role's machine adopted a head; ``on_update``
@@ -80,6 +81,8 @@ class PeerServices:
     def __init__(
         self,
         *,
+        net: NetNode,
+        fetch_timeout_s: float,
         identity: Identity,
         store: NodeStore,
         experiment_id: str,
@@ -107,8 +110,7 @@ class PeerServices:
         self.admit = admit
         self.on_update: Callable[[Update], None] = on_update or (lambda _: None)
         self.telemetry = telemetry or NodeTelemetry()
-        self._net: NetNode | None = None
-        self._fetcher: BlobFetcher | None = None
+        self.net = net
         #: Whether local writes go through (a full disk is reported once, not per write).
         self.storage = storage or StorageHealth(str(store.datadir.path))
         #: One catch-up page asked at a time (:func:`~.catch_up.fetch_chain`).
@@ -118,24 +120,15 @@ class PeerServices:
         self._origins: OrderedDict[bytes, str] = OrderedDict()
         #: address -> (transport faults in a row, when the last was): asked last a while
         self._faults: dict[str, tuple[int, float]] = {}
-
-    def attach(self, net: NetNode, fetch_timeout_s: float) -> None:
-        self._net = net
         self._fetcher = BlobFetcher(
             net.client,
-            self.store.blobs,
+            store.blobs,
             timeout_s=fetch_timeout_s,
             probe_timeout_s=net.config.probe_timeout_s,
             min_rate=net.config.min_fetch_rate,
             on_bad_provider=self._bad,
             on_fault=self.transport_fault,
         )
-
-    @property
-    def net(self) -> NetNode:
-        if self._net is None:
-            raise LocalError("the node is not running")
-        return self._net
 
     # -- publishing and records -----------------------------------------------------------
 
@@ -240,7 +233,6 @@ class PeerServices:
         providers = self.providers(first)
         if not providers:
             raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
-        assert self._fetcher is not None
         result = await self._fetcher.fetch(blob_id, providers, size=size)
         self.storage.succeeded()
         moved = sum(result.bytes_by_provider.values())

@@ -111,7 +111,11 @@ class Node:
                 grace_s=unknown_grace_s(manifest.window),
                 storage=storage,
             )
+        self.dashboard = Dashboard(self.view.dashboard_snapshot)
+        self.net = self._network(settings, store, self.dashboard)
         self.services = PeerServices(
+            net=self.net,
+            fetch_timeout_s=settings.fetch_timeout_s,
             identity=self.identity,
             store=store,
             experiment_id=self.experiment_id,
@@ -169,7 +173,10 @@ class Node:
         self.gossip_in = GossipIn(
             intake, self.runners, self.services, self.reports, archive=settings.archive
         )
-        #: The network while the node runs (None before and after).
+        self.net.serve_chain(self.follower.chain)
+        gossip = self.gossip_in
+        self.net.gossip.subscribe(self.services.topic, gossip.deliver, gossip.check)
+        #: The network once the node runs (None before).
         self.running_net: NetNode | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -194,43 +201,12 @@ class Node:
     async def run(self) -> NodeStatus:
         """Run until stopped; return the final status. Raises :class:`RoleFailed` (after
         stopping cleanly) when a role failed too many steps in a row."""
-        s = self.settings
-        config = NetConfig(
-            host=s.host,
-            port=s.port,
-            advertise=s.advertise,
-            bootstrap=s.bootstrap,
-            mdns=s.mdns,
-            heartbeat_s=s.heartbeat_s,
-            # a restarted node keeps its address when it can (seeds above all: every
-            # peer's bootstrap names it)
-            preferred_port=self.store.listen_port() if s.host is not None else 0,
-        )
+        s, net = self.settings, self.net
         torch.set_num_threads(max(1, s.threads))
-        # the server's own /metrics answers loopback only: the dashboard adds none
-        dashboard = Dashboard(self.view.dashboard_snapshot)
-        net = NetNode(
-            identity=self.identity,
-            network=self.network.record,
-            blobs=self.store.blobs,
-            config=config,
-            roles=s.roles,
-            secret=s.secret,
-            relay=s.relay,
-            answers=self.view.answers(),
-            on_blob_bytes=self.telemetry.blob_bytes,
-            extra_routes=dashboard.routes(),
-            metrics_text=self.view.metrics_text,
-        )
         self.running_net = net
-        self.services.attach(net, s.fetch_timeout_s)
-        # the dashboard's event streams end before the server stops
-        async with net, self.view.metrics_listener(), dashboard:
+        async with net, self.view.metrics_listener(), self.dashboard:
             if s.host is not None and s.port == 0:
                 self.store.remember_listen_port(net.port)
-            net.serve_chain(self.follower.chain)
-            topic = self.services.topic
-            net.gossip.subscribe(topic, self.gossip_in.deliver, self.gossip_in.check)
             self.keeper.restore(self.identity.public_key)
             self._emit(
                 Ready(
@@ -253,6 +229,34 @@ class Node:
         if self.failed is not None:
             raise self.failed
         return status
+
+    def _network(self, s: NodeSettings, store: NodeStore, dashboard: Dashboard) -> NetNode:
+        """The node's network presence (started by :meth:`run`) with its own answers and
+        the dashboard's pages (the server's own /metrics answers loopback only)."""
+        config = NetConfig(
+            host=s.host,
+            port=s.port,
+            advertise=s.advertise,
+            bootstrap=s.bootstrap,
+            mdns=s.mdns,
+            heartbeat_s=s.heartbeat_s,
+            # a restarted node keeps its address when it can (seeds above all: every
+            # peer's bootstrap names it)
+            preferred_port=store.listen_port() if s.host is not None else 0,
+        )
+        return NetNode(
+            identity=self.identity,
+            network=self.network.record,
+            blobs=store.blobs,
+            config=config,
+            roles=s.roles,
+            secret=s.secret,
+            relay=s.relay,
+            answers=self.view.answers(),
+            on_blob_bytes=self.telemetry.blob_bytes,
+            extra_routes=dashboard.routes(),
+            metrics_text=self.view.metrics_text,
+        )
 
     async def _run_roles(self) -> None:
         """The runners and the node's own tasks, until stopped or a role failed."""

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.net.node import NetNode
 from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.runner import RoleRunner
@@ -88,9 +89,13 @@ def _runner(tmp_path: Path, events: list[NodeEvent]) -> tuple[RoleRunner, DataDi
     workload = SyntheticWorkload(seed=1)
     manifest = _manifest(workload)
     datadir = DataDir(tmp_path).__enter__()
+    store = NodeStore(datadir)
+    network = NetworkManifest(name="roles-test", authority=identity(5).public_key)
     services = PeerServices(
+        net=NetNode(identity=identity(5), network=network, blobs=store.blobs),
+        fetch_timeout_s=5.0,
         identity=identity(5),
-        store=NodeStore(datadir),
+        store=store,
         experiment_id=manifest.id,
         bootstrap=(),
         keeps_records=True,
