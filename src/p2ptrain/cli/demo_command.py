@@ -56,6 +56,7 @@ from p2ptrain.observe.events import (
 if TYPE_CHECKING:
     from p2ptrain.cli.demo_experiment import DemoExperiment
     from p2ptrain.node.local_network import LocalNetwork
+    from p2ptrain.observe.status import NodeStatus
 
 __all__ = ["add_parsers", "run_demo"]
 
@@ -348,7 +349,14 @@ def _bytes_per_trainer(workdir: Path, trainers: list[str]) -> int | None:
         statuses = [read_status(workdir / name) for name in trainers]
     except LocalError:
         return None  # a trainer has not written its status yet
-    return sum(s.bytes_sent + s.bytes_received for s in statuses) // len(statuses)
+    return sum(_mean_bytes(statuses))
+
+
+def _mean_bytes(statuses: list[NodeStatus]) -> tuple[int, int]:
+    """The trainers' mean bytes sent and received (each rounded down: the summary's and
+    the loss curve's figures are one sum of them)."""
+    sent = sum(s.bytes_sent for s in statuses) // len(statuses)
+    return sent, sum(s.bytes_received for s in statuses) // len(statuses)
 
 
 def _follow(
@@ -440,8 +448,7 @@ def _summarise(
     missing, genesis_val_loss, val_loss = _validation(workload, weights, console)
     peer_ids = [network.nodes[t].peer_id for t in trainers]
     statuses = [read_status(network.workdir / name) for name in trainers]
-    sent = sum(s.bytes_sent for s in statuses) // len(statuses)
-    received = sum(s.bytes_received for s in statuses) // len(statuses)
+    sent, received = _mean_bytes(statuses)
     parameters = sum(t.numel() for t in weights.values())
     steps = height * manifest.inner_steps
     ddp_each_way = ddp_bytes_per_worker(parameters, steps, len(trainers))
