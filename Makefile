@@ -73,13 +73,17 @@ unit: $(DEV_STAMP) anchors-or-skip
 	$(PYTEST) --durations=25
 
 # The checks and hivemind's venv run two at a time (mypy and pip each keep one core busy),
-# each target's output together; then every test tier, the 25 slowest tests printed and
+# each target's output together; then our own modules are byte-compiled (where
+# PYTHONDONTWRITEBYTECODE is set, every node and benchmark process would compile them
+# again); then every test tier, the 25 slowest tests printed and
 # every test's outcome and seconds written to build/junit.xml.
 test: $(DEV_STAMP)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports types anchors-or-skip
+	@$(PY) -m compileall -q src tests/support
 	$(PYTEST) --durations=25 --junitxml=build/junit.xml
 
 check: lint imports types
+	@$(PY) -m compileall -q src tests/support
 	$(PYTEST) tests/unit tests/sim
 
 demo: $(STAMP)
