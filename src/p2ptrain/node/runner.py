@@ -20,33 +20,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.core.certificate import CertifiedLink
-from p2ptrain.core.envelope import Signed
-from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.core.records import Attestation, Proposal
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.gossip import Delivered
-from p2ptrain.node.catch_up import fetch_chain, sync_window
 from p2ptrain.node.failures import FailureBook, RoleFailed
+from p2ptrain.node.fetches import FETCHING, answer
 from p2ptrain.node.services import PeerServices
 from p2ptrain.observe.events import CatchingUp, NodeEvent
 from p2ptrain.observe.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (
-    AggregateFetch,
-    BlobFetch,
-    ChainFetch,
     Effect,
     Fetch,
     KeepState,
     Publish,
-    RecordFetch,
-    Request,
-    StateFetch,
     StoreBlob,
     StoreRecord,
     StoreVote,
@@ -286,7 +279,7 @@ class RoleRunner:
             KeepState: self._keep_state,
             StoreRecord: lambda e: services.remember(e.signed, e.kind, e.window),
             StoreVote: lambda e: services.store.put_vote(e.height, e.head_id),
-            Fetch: lambda e: self.spawn(self._fetch(e), _FETCHING[type(e.request)]),
+            Fetch: lambda e: self.spawn(self._fetch(e), FETCHING[type(e.request)]),
             act.Adopted: lambda e: services.on_adopted(self.machine, e),
             act.Reported: lambda e: services.report(e.peer_id, e.reason),
             act.Notice: self._notice,
@@ -347,9 +340,9 @@ class RoleRunner:
         if isinstance(request, WindowSync):  # past its deadline without a certificate
             self.services.telemetry.window_failed(request.window, "deadline")
         try:
-            answer = await self._answer(request)
+            got = await answer(self.services, lambda: self.machine.chain.height, request)
         except TransportError as exc:
-            if not self.services.storage.check(f"{self.role}: {_FETCHING[type(request)]}", exc):
+            if not self.services.storage.check(f"{self.role}: {FETCHING[type(request)]}", exc):
                 logger.info("%s: %s", self.role, exc)
             self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=False))
         except ProtocolViolation as exc:
@@ -357,58 +350,4 @@ class RoleRunner:
             logger.warning("%s: %s", self.role, exc)
             self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=True))
         else:
-            self.execute(self.policy.fetched(time.monotonic(), request, answer))
-
-    async def _answer(self, request: Request) -> Any:
-        """The answer to ``request`` from the network (the fetch's kind picks how)."""
-        answer: Callable[[RoleRunner, Any], Awaitable[Any]] = _ANSWERS[type(request)]
-        return await answer(self, request)
-
-    async def _update_blob(self, request: BlobFetch) -> bytes:
-        update = request.update.record
-        return await self.services.fetch_blob(
-            update.delta_blob, request.first, size=update.delta_bytes, kind="update"
-        )
-
-    async def _update_record(self, request: RecordFetch) -> Signed[Update]:
-        signed = await self.services.fetch_update_record(request.update_id, request.proposer)
-        if signed is None:
-            raise TransportError(f"nobody served update {request.update_id[:12]}")
-        return signed
-
-    async def _head_state(self, request: StateFetch) -> tuple[bytes, bytes | None]:
-        return await self.services.fetch_head_blobs(request.head, request.first)
-
-    async def _aggregate(self, request: AggregateFetch) -> bytes:
-        assert request.head.aggregate_blob is not None
-        blob_id = request.head.aggregate_blob
-        return await self.services.fetch_blob(blob_id, request.first, kind="aggregate")
-
-    async def _window_records(self, request: WindowSync) -> list[Signed[Any]]:
-        return await sync_window(self.services, request.window, request.held)
-
-    async def _chain_page(self, request: ChainFetch) -> ChainPage:
-        services, address = self.services, None
-        if request.peer is not None and request.peer != services.peer_id:
-            address = services.net.address_of(request.peer)
-        return await fetch_chain(services, lambda: self.machine.chain.height, address)
-
-
-#: How each kind of fetch is answered (the dispatch table of :meth:`RoleRunner._answer`).
-_ANSWERS: dict[type[Any], Callable[[RoleRunner, Any], Awaitable[Any]]] = {
-    BlobFetch: RoleRunner._update_blob,
-    RecordFetch: RoleRunner._update_record,
-    StateFetch: RoleRunner._head_state,
-    AggregateFetch: RoleRunner._aggregate,
-    WindowSync: RoleRunner._window_records,
-    ChainFetch: RoleRunner._chain_page,
-}
-
-_FETCHING = {
-    BlobFetch: "fetching an update",
-    RecordFetch: "fetching a proposal's update",
-    StateFetch: "fetching a head's weights",
-    AggregateFetch: "fetching a head's aggregate",
-    ChainFetch: "catching up",
-    WindowSync: "asking peers what the window holds",
-}
+            self.execute(self.policy.fetched(time.monotonic(), request, got))
