@@ -32,7 +32,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(trainer_api, name)
     if name == "RoleFailed":
-        from p2ptrain.node.failures import RoleFailed
+        from p2ptrain.driver.failures import RoleFailed
 
         return RoleFailed
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")

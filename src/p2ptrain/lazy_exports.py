@@ -12,12 +12,13 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, module_of: Mapping[str, str]) -> Callable[[str], object]:
     """The module ``__getattr__`` of ``package``: each name of ``module_of`` comes from
-    ``package.<its module>``."""
+    ``package.<its module>`` (or from the module named in full, ``p2ptrain.…``)."""
 
     def attribute(name: str) -> object:
         module = module_of.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{module}"), name)
+        full = module if module.startswith("p2ptrain.") else f"{package}.{module}"
+        return getattr(importlib.import_module(full), name)
 
     return attribute

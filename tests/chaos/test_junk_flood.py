@@ -27,12 +27,12 @@ from p2ptrain.core.envelope import Signed, open_envelope, seal
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
 from p2ptrain.core.records import Head, Proposal, Update
+from p2ptrain.driver.services import experiment_topic
 from p2ptrain.net.client import fetch_network_manifest
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
 from p2ptrain.net.node import NetNode
 from p2ptrain.net.wire import Gossip, encode_frame
-from p2ptrain.node.services import experiment_topic
 from p2ptrain.store.blobs import BlobStore
 from tests.support.local_net import Net, new_net
 

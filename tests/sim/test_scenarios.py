@@ -154,6 +154,7 @@ def test_scenario(scenario: Scenario, certified: int, check: Check) -> None:
     report = simulate(scenario)
     context = f"seed={scenario.seed} violations={report['violations']} windows={report['windows']}"
     assert report["safety_violations"] == 0, context
+    assert report["role_failures"] == [], context
     assert report["windows_certified"] == certified, context
     check(scenario, report)
 

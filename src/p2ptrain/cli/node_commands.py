@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from p2ptrain.cli.commands import add_command, summary
 from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.core.roles import ROLES
+from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
-from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.observe.events import (
     CatchingUp,
     Evaluated,

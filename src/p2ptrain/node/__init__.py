@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from p2ptrain.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from p2ptrain.node.failures import RoleFailed
+    from p2ptrain.driver.failures import RoleFailed
+    from p2ptrain.driver.services import experiment_topic
     from p2ptrain.node.persist import NodeStore
-    from p2ptrain.node.services import experiment_topic
     from p2ptrain.node.setup import ROLES, NodeSettings, Prepared, prepare
     from p2ptrain.node.shell import Node
     from p2ptrain.node.trainer_api import Trainer, WindowOutcome
@@ -36,9 +36,9 @@ __all__ = [
 
 #: Where each name of ``__all__`` is defined.
 _MODULE_OF = {
-    "RoleFailed": "failures",
+    "RoleFailed": "p2ptrain.driver.failures",
     "NodeStore": "persist",
-    "experiment_topic": "services",
+    "experiment_topic": "p2ptrain.driver.services",
     "ROLES": "setup",
     "NodeSettings": "setup",
     "Prepared": "setup",

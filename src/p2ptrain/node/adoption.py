@@ -21,15 +21,15 @@ from collections.abc import Callable, Sequence
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.records import Head
+from p2ptrain.driver.catch_up import NothingAbove, fetch_chain
+from p2ptrain.driver.runner import RoleRunner
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.node import NetNode
-from p2ptrain.node.catch_up import NothingAbove, fetch_chain
 from p2ptrain.node.collector import BlobCollector
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.reports import ReportKeeper
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.observe.events import HeadAdopted, NodeEvent, update_outcome

@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from p2ptrain.core.records import Head, Update
+from p2ptrain.driver.storage import StorageHealth
 from p2ptrain.errors import BlobNotFound
 from p2ptrain.net.partial_file import PARTIAL_DIR, partial_downloads, remove_partial
-from p2ptrain.node.storage import StorageHealth
 from p2ptrain.protocol.retention import (
     UPDATE_WINDOWS_KEPT,
     KeepSet,

@@ -32,10 +32,10 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
+from p2ptrain.driver.failures import FailureBook, RoleFailed
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
-from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import METRICS_KIND
-from p2ptrain.node.services import PeerServices
 from p2ptrain.observe.events import Evaluated, NodeEvent
 from p2ptrain.observe.status import RoleState
 from p2ptrain.torch.capabilities import ReportsEvaluation

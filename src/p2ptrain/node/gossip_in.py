@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.records import Attestation, MetricsReport, Proposal, Update
+from p2ptrain.driver.runner import RoleRunner
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.net.gossip import CERTIFICATE_KIND, Delivered, Refusal
 from p2ptrain.node.persist import METRICS_KIND
 from p2ptrain.node.reports import ReportKeeper
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
 from p2ptrain.protocol.intake import IntakeRules
 
 __all__ = ["GossipIn"]

@@ -8,8 +8,8 @@ import logging
 
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import MetricsReport
+from p2ptrain.driver.storage import StorageHealth
 from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.storage import StorageHealth
 from p2ptrain.observe.status import ValidationMetrics
 from p2ptrain.observe.telemetry import NodeTelemetry
 from p2ptrain.protocol.follower import Follower

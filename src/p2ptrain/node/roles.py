@@ -16,14 +16,15 @@ seed or viewer beside a trainer or participant needs no runner of its own.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from p2ptrain.driver.failures import FailureBook
+from p2ptrain.driver.participant_runner import ParticipantRunner
+from p2ptrain.driver.runner import RoleRunner
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import LocalError
-from p2ptrain.node.failures import FailureBook
-from p2ptrain.node.participant_runner import ParticipantRunner
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
+from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import Prepared
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.trainer_runner import TrainerRunner
@@ -51,11 +52,12 @@ def role_runners(
     services: PeerServices,
     failures: FailureBook,
     emit: Callable[[NodeEvent], None],
-    votes: Mapping[int, str],
+    store: NodeStore,
     shards: ShardCache | None = None,
     presence_timeout_s: float | None = None,
 ) -> NodeRoles:
-    """The runners of a node holding ``roles`` (``votes``: a validator's stored votes;
+    """The runners of a node holding ``roles`` (``store``: the node's, with a validator's
+    stored votes and a trainer's saved state;
     ``presence_timeout_s``: how long a trainer not heard from is still expected to report)."""
     chosen = set(roles)
     manifest, identity, genesis = prepared.experiment.record, prepared.identity, prepared.genesis
@@ -85,13 +87,15 @@ def role_runners(
             now=time.monotonic(),
             presence_timeout_s=presence_timeout_s,
         )
-        participant.votes.update(votes)
+        participant.votes.update(store.votes())
         runners.append(ParticipantRunner(participant, services, failures, emit))
     if "trainer" in chosen:
         if workload is None:
             raise LocalError("a trainer needs a workload (the model and data to train)")
         machine = TrainerMachine(manifest, identity, follower)
-        runners.append(TrainerRunner(machine, workload, services, failures, emit, shards=shards))
+        runners.append(
+            TrainerRunner(machine, workload, services, failures, emit, store=store, shards=shards)
+        )
     if not runners:  # a seed or viewer: follow the chain, keep the weights
         role = "seed" if "seed" in chosen else "viewer"
         runners.append(RoleRunner(role, follower, services, failures, emit))

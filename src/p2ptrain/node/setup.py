@@ -34,9 +34,9 @@ from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
 from p2ptrain.data.prepare import PreparedDataset, read_prepared
+from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.node.data_import import import_prepared
-from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity

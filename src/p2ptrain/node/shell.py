@@ -22,21 +22,22 @@ import torch
 
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.tensors import schema_of
+from p2ptrain.driver.failures import FailureBook, RoleFailed
+from p2ptrain.driver.services import PeerServices
+from p2ptrain.driver.storage import StorageHealth
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.node import NetNode
 from p2ptrain.node.adoption import ChainKeeper
 from p2ptrain.node.collector import BlobCollector
 from p2ptrain.node.evaluator import HeadEvaluator
-from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.gossip_in import GossipIn
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.reports import ReportKeeper
 from p2ptrain.node.roles import role_runners
-from p2ptrain.node.services import PeerServices
 from p2ptrain.node.setup import NodeSettings, Prepared
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.status_view import StatusView
-from p2ptrain.node.storage import StorageHealth
+from p2ptrain.node.transport import NetTransport
 from p2ptrain.observe.dashboard import Dashboard
 from p2ptrain.observe.events import (
     CatchingUp,
@@ -114,8 +115,7 @@ class Node:
         self.dashboard = Dashboard(self.view.dashboard_snapshot)
         self.net = self._network(settings, store, self.dashboard)
         self.services = PeerServices(
-            net=self.net,
-            fetch_timeout_s=settings.fetch_timeout_s,
+            net=NetTransport(self.net, store.blobs, fetch_timeout_s=settings.fetch_timeout_s),
             identity=self.identity,
             store=store,
             experiment_id=self.experiment_id,
@@ -136,7 +136,7 @@ class Node:
             services=self.services,
             failures=self.failures,
             emit=self._emit,
-            votes=store.votes(),
+            store=store,
             shards=shards,
             presence_timeout_s=(
                 PRESENCE_HEARTBEATS * settings.heartbeat_s if settings.close_early else None

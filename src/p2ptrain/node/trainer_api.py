@@ -22,7 +22,7 @@ The node can hold other roles too (``roles=("validator",)``, for three friends w
 train and validate; give it an address to serve on with ``host``). A training step that
 raises is recorded for its window and the trainer goes on with the next; after
 ``max_role_failures`` failures in a row :meth:`Trainer.run` raises
-:class:`~p2ptrain.node.failures.RoleFailed` with the last exception as its cause.
+:class:`~p2ptrain.driver.failures.RoleFailed` with the last exception as its cause.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
-from p2ptrain.node.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.node.launch import serve
 from p2ptrain.node.persist import median_val_loss
 from p2ptrain.node.setup import NodeSettings
@@ -185,7 +185,7 @@ class Trainer:
     ) -> Iterator[WindowOutcome]:
         """Train ``windows`` more certified windows (counted once the node has caught up
         with the network), or until the chain reaches ``until_height``; with neither, until
-        the loop stops. Raises :class:`~p2ptrain.node.failures.RoleFailed` if a role of the
+        the loop stops. Raises :class:`~p2ptrain.driver.failures.RoleFailed` if a role of the
         node failed too many steps in a row (the node stopped cleanly first), and
         :class:`~p2ptrain.errors.LocalError` when the node stopped without a window (e.g.
         it was already at ``until_height``), saying why."""

@@ -31,10 +31,11 @@ from p2ptrain.core.envelope import Signed
 from p2ptrain.core.manifests import InnerOptimizerSpec, ShardInfo
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.data.shards import lease_indices
+from p2ptrain.driver.failures import FailureBook
+from p2ptrain.driver.runner import RoleRunner, Step
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import LocalError
-from p2ptrain.node.failures import FailureBook
-from p2ptrain.node.runner import RoleRunner, Step
-from p2ptrain.node.services import PeerServices
+from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.shard_cache import ShardCache
 from p2ptrain.node.trainer_window import TrainedUpdate, restore_trainer_state, train_update
 from p2ptrain.observe.events import (
@@ -117,12 +118,15 @@ class TrainerRunner(RoleRunner):
         failures: FailureBook,
         emit: Callable[[NodeEvent], None],
         *,
+        store: NodeStore,
         shards: ShardCache | None = None,
     ) -> None:
-        """``shards``: the cache of a ``sharded`` experiment's shards (the lease's shards
-        are fetched into it before each window)."""
+        """``store``: the node's (the trainer's state is saved there); ``shards``: the cache
+        of a ``sharded`` experiment's shards (the lease's shards are fetched into it before
+        each window)."""
         super().__init__("trainer", machine, services, failures, emit)
         self.workload = workload
+        self.store = store
         self.shards = shards
         self.manifest = machine.manifest
         self.peer_id = services.peer_id
@@ -153,9 +157,7 @@ class TrainerRunner(RoleRunner):
 
     def start(self, now: float) -> None:
         """Train the window after the head we hold (restored or genesis)."""
-        restore_trainer_state(
-            self.services.store, self.services.experiment_id, self.workload, self._encoder
-        )
+        restore_trainer_state(self.store, self.services.experiment_id, self.workload, self._encoder)
         super().start(now)
 
     def handlers(self) -> dict[type[Any], Callable[[Any], object]]:
@@ -311,7 +313,7 @@ class TrainerRunner(RoleRunner):
             indices,
             steps=self.manifest.inner_steps,
             seed=window_seed(self.peer_id, action.window),
-            save_state=lambda state: self.services.store.save_trainer_state(state, metadata),
+            save_state=lambda state: self.store.save_trainer_state(state, metadata),
             keep_delta=ahead,
         )
         if update.delta is not None:

@@ -56,6 +56,7 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
         "windows_certified": certified,
         "safety_violations": len(observer.violations),
         "violations": observer.violations[:20],
+        "role_failures": world.role_failures[:20],
         "final_loss": final_loss,
         "messages_per_peer_per_window": statistics.messages_sent / peers / max(1, certified),
         "wall_seconds": time.perf_counter() - started,

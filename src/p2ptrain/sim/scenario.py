@@ -16,6 +16,7 @@ ADVERSARIES = (
     "lying_reducer",  # proposes a head with altered weights
     "silent_reducer",  # never proposes
     "equivocating_validator",  # attests the honest head and a forged one at every height
+    "lying_provider",  # a reducer, honest but for the blobs it serves: each with a byte flipped
 )
 
 

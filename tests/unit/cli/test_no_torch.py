@@ -42,7 +42,7 @@ FORBIDDEN = (
     "p2ptrain.net.node",
     "p2ptrain.node.launch",
     "p2ptrain.node.roles",
-    "p2ptrain.node.runner",
+    "p2ptrain.driver.runner",
     "p2ptrain.node.setup",
     "p2ptrain.node.shell",
     "p2ptrain.node.trainer_api",

@@ -15,9 +15,9 @@ import torch
 from p2ptrain.core.encoding import decode, encode
 from p2ptrain.core.envelope import open_envelope, seal
 from p2ptrain.core.records import MetricsReport
+from p2ptrain.driver.failures import FailureBook, RoleFailed
 from p2ptrain.errors import InvalidRecord, LocalError, ProtocolViolation
 from p2ptrain.node.evaluator import HeadEvaluator, evaluate_head
-from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import NodeStore, median_val_loss
 from p2ptrain.observe.events import Evaluated, NodeEvent, RoleFailure
 from p2ptrain.protocol.metrics import MetricsBook, median

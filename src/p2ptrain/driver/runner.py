@@ -19,18 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.records import Attestation, Proposal
+from p2ptrain.driver.clock import now as clock
+from p2ptrain.driver.failures import FailureBook, RoleFailed
+from p2ptrain.driver.fetches import FETCHING, answer
+from p2ptrain.driver.services import PeerServices
+from p2ptrain.driver.transport import Message
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.net.gossip import Delivered
-from p2ptrain.node.failures import FailureBook, RoleFailed
-from p2ptrain.node.fetches import FETCHING, answer
-from p2ptrain.node.services import PeerServices
 from p2ptrain.observe.events import CatchingUp, NodeEvent
 from p2ptrain.observe.status import RoleState, TrainerWindow
 from p2ptrain.protocol import actions as act
@@ -191,11 +191,11 @@ class RoleRunner:
 
     # -- inputs ---------------------------------------------------------------------------
 
-    def receive(self, message: Delivered) -> None:
+    def receive(self, message: Message) -> None:
         """A gossip message that passed intake (or one the node's other roles published)."""
         article = "an" if message.kind[:1] in ("a", "e", "i", "o", "u") else "a"
         with self.guard(f"handling {article} {message.kind}"):
-            now, record = time.monotonic(), message.record
+            now, record = clock(), message.record
             self.observe(now)
             if isinstance(record, CertifiedLink):
                 sender = self.services.key_of(message.from_peer)
@@ -210,13 +210,13 @@ class RoleRunner:
     def base_moved(self, adopted: act.Adopted) -> None:
         """Another role of the node adopted a head on the follower this one shares."""
         with self.guard("adopting a head"):
-            self.execute(self.policy.base_moved(time.monotonic(), adopted))
+            self.execute(self.policy.base_moved(clock(), adopted))
 
     def offer_links(self, page: ChainPage) -> None:
         """A catch-up page the node's periodic sync fetched: verify and adopt its links,
         then fetch what follows."""
         with self.guard("catching up"):
-            self.execute(self.policy.links(time.monotonic(), page))
+            self.execute(self.policy.links(clock(), page))
 
     async def _tick_forever(self) -> None:
         """Tick the machine when it asked to be ticked, or sooner when something arrived;
@@ -232,9 +232,9 @@ class RoleRunner:
                     await self._wake.wait()
             delay = 1.0
             with self.guard("tick"):
-                self.observe(time.monotonic())
-                self.execute(self.policy.tick(time.monotonic()))
-                now = time.monotonic()
+                self.observe(clock())
+                self.execute(self.policy.tick(clock()))
+                now = clock()
                 wakeup = machine.next_wakeup(now)
                 delay = 1.0 if wakeup is None else max(0.0, wakeup - now)
 
@@ -326,7 +326,7 @@ class RoleRunner:
     def _time_published(self, effect: Publish) -> None:
         """A proposal or attestation of ours went out: the reduce or attest phase ended."""
         record = getattr(effect.record, "record", None)
-        telemetry, now = self.services.telemetry, time.monotonic()
+        telemetry, now = self.services.telemetry, clock()
         if isinstance(record, Proposal):
             telemetry.proposed(record.window, now)
         elif isinstance(record, Attestation):
@@ -344,10 +344,10 @@ class RoleRunner:
         except TransportError as exc:
             if not self.services.storage.check(f"{self.role}: {FETCHING[type(request)]}", exc):
                 logger.info("%s: %s", self.role, exc)
-            self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=False))
+            self.execute(self.policy.fetch_failed(clock(), request, proven_bad=False))
         except ProtocolViolation as exc:
             # nobody served bytes with the right hash; providers proven wrong were reported
             logger.warning("%s: %s", self.role, exc)
-            self.execute(self.policy.fetch_failed(time.monotonic(), request, proven_bad=True))
+            self.execute(self.policy.fetch_failed(clock(), request, proven_bad=True))
         else:
-            self.execute(self.policy.fetched(time.monotonic(), request, got))
+            self.execute(self.policy.fetched(clock(), request, got))

@@ -1,4 +1,4 @@
-"""The node's role runners without a network: failures that show (recorded per window, a
+"""The role runners without a network: failures that show (recorded per window, a
 role error event each, the node ended after N in a row, the cause kept), the typed events
 and status records, and the role interface every machine offers."""
 
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
+from p2ptrain.driver.failures import FailureBook, RoleFailed
+from p2ptrain.driver.runner import RoleRunner
+from p2ptrain.driver.services import PeerServices
+from p2ptrain.driver.storage import StorageHealth
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.net.node import NetNode
-from p2ptrain.node.failures import FailureBook, RoleFailed
 from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
+from p2ptrain.node.transport import NetTransport
 from p2ptrain.observe.events import (
     HeadAdopted,
     NodeEvent,
@@ -91,11 +93,12 @@ def _runner(tmp_path: Path, events: list[NodeEvent]) -> tuple[RoleRunner, DataDi
     datadir = DataDir(tmp_path).__enter__()
     store = NodeStore(datadir)
     network = NetworkManifest(name="roles-test", authority=identity(5).public_key)
+    net = NetNode(identity=identity(5), network=network, blobs=store.blobs)
     services = PeerServices(
-        net=NetNode(identity=identity(5), network=network, blobs=store.blobs),
-        fetch_timeout_s=5.0,
+        net=NetTransport(net, store.blobs, fetch_timeout_s=5.0),
         identity=identity(5),
         store=store,
+        storage=StorageHealth(str(tmp_path)),
         experiment_id=manifest.id,
         bootstrap=(),
         keeps_records=True,

@@ -15,13 +15,13 @@ next tick (at the next slot, or when a record arrives) goes on from the same sta
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 from p2ptrain.core.records import Attestation
-from p2ptrain.node.failures import FailureBook
-from p2ptrain.node.runner import RoleRunner
-from p2ptrain.node.services import PeerServices
+from p2ptrain.driver.clock import now as clock
+from p2ptrain.driver.failures import FailureBook
+from p2ptrain.driver.runner import RoleRunner
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.observe.events import Attested, NodeEvent
 from p2ptrain.protocol.effects import Effect, Publish
 from p2ptrain.protocol.participant import Participant
@@ -48,11 +48,11 @@ class ParticipantRunner(RoleRunner):
         self._waiting = ""
 
     def reason(self) -> str:
-        return self.machine.catching_up or self.machine.waiting_for(time.monotonic())
+        return self.machine.catching_up or self.machine.waiting_for(clock())
 
     def execute(self, effects: Sequence[Effect]) -> None:
         super().execute(effects)
-        line = self.machine.waiting_for(time.monotonic(), countdown=False)
+        line = self.machine.waiting_for(clock(), countdown=False)
         if line != self._waiting and not self.machine.catching_up:
             self._waiting = line
             logger.info("%s: %s", self.role, line)
@@ -66,8 +66,7 @@ class ParticipantRunner(RoleRunner):
         net = self.services.net
         if "trainer" in net.roles:  # our own trainer reports through the loop-back
             machine.heard_from(machine.key, now)
-        for signed in net.peers:
-            record = signed.record
+        for record in net.known_peers():
             if "trainer" not in record.roles:
                 continue
             when = net.last_heard(record.peer_id, now)

@@ -4,15 +4,18 @@ Below the runners (they import this module, never each other), above the network
 
 * **providers** -- whom to ask for a blob or a record: the peers named first, then the
   seeds, then every reachable peer we know, each verified by hash, none trusted;
-* **fetch with blame** -- blobs through the verifying :class:`BlobFetcher` (a provider that
+* **fetch with blame** -- blobs through the transport's verifying download (a provider that
   serves bytes with another hash is reported by its signed peer record), update records by
-  id, a head's weights (a catch-up page and a window's records: :mod:`.catch_up`); an
-  outbound-only trainer's update blob pushed to a reachable peer;
+  id, hedged across providers, a head's weights (a catch-up page and a window's records:
+  :mod:`.catch_up`); an outbound-only trainer's update blob pushed to a reachable peer;
 * **key lookup** -- the public key behind a peer id or an address;
 * **reporting** -- a peer proven to misbehave is logged, struck and shown in the status;
 * **publishing** -- a record goes out on the experiment's topic (gossip hands it to this
   node's own subscription too, after the effects under way: every other role sees it);
 * **records** -- the signed updates and proposals a node that serves keeps for its peers.
+
+All of it goes through the node's :class:`~.transport.Transport` and :class:`~.transport.Keep`
+(a real network and data directory, or the simulator's), on the loop's clock (:mod:`.clock`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import asyncio
 import hashlib
 import logging
 import random
-import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -30,13 +32,12 @@ from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.records import Head, PeerRecord, Update
+from p2ptrain.core.records import Head, Update
+from p2ptrain.driver.clock import now as clock
+from p2ptrain.driver.racing import hedged
+from p2ptrain.driver.storage import StorageHealth
+from p2ptrain.driver.transport import Downloaded, Keep, Message, Peer, Transport
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.net.gossip import Delivered
-from p2ptrain.net.node import NetNode
-from p2ptrain.net.transfer import BlobFetcher, FetchResult
-from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.storage import StorageHealth
 from p2ptrain.observe.events import NodeEvent, PeerReported
 from p2ptrain.observe.status import PeerReport
 from p2ptrain.observe.telemetry import NodeTelemetry
@@ -54,10 +55,6 @@ T = TypeVar("T")
 _MAX_PROVIDERS = 8
 #: A provider that failed in transit within this long is asked after the others.
 _FAULT_MEMORY_S = 60.0
-#: A record is asked of one provider; while none answered, of one more every this often.
-_HEDGE_S = 1.0
-#: The longest wait for one provider's answer to a small request (a record, a chain).
-SMALL_ANSWER_S = 15.0
 _RECENT_REPORTS = 20
 #: Our own messages whose publishing role is remembered until they come back to us.
 _ORIGINS_KEPT = 256
@@ -70,8 +67,8 @@ def experiment_topic(experiment_id: str) -> str:
 
 
 class PeerServices:
-    """What the runners of one node share: its network (``net``; a blob fetch gives up on a
-    provider after ``fetch_timeout_s``) and its store.
+    """What the runners of one node share: its network (``net``) and its store
+    (``store``), each behind the driver's seam (:mod:`.transport`).
 
     ``admit`` judges the records that did not come by gossip (a window sync's) by the node's
     intake rules; ``on_adopted`` is told when a role's machine adopted a head; ``on_update``
@@ -81,10 +78,10 @@ class PeerServices:
     def __init__(
         self,
         *,
-        net: NetNode,
-        fetch_timeout_s: float,
+        net: Transport,
         identity: Identity,
-        store: NodeStore,
+        store: Keep,
+        storage: StorageHealth,
         experiment_id: str,
         bootstrap: Sequence[str],
         keeps_records: bool,
@@ -93,8 +90,9 @@ class PeerServices:
         on_adopted: Callable[[RoleMachine, act.Adopted], None],
         on_update: Callable[[Update], None] | None = None,
         telemetry: NodeTelemetry | None = None,
-        storage: StorageHealth | None = None,
+        seed: int | None = None,
     ) -> None:
+        """``seed``: the provider order's shuffles (None: from the operating system)."""
         self.identity = identity
         self.peer_id = identity.peer_id
         self.store = store
@@ -105,14 +103,14 @@ class PeerServices:
         self.keeps_records = keeps_records
         self.emit = emit
         self.reports: deque[PeerReport] = deque(maxlen=_RECENT_REPORTS)
-        self.rng = random.Random()
+        self.rng = random.Random(seed)
         self.on_adopted = on_adopted
         self.admit = admit
         self.on_update: Callable[[Update], None] = on_update or (lambda _: None)
         self.telemetry = telemetry or NodeTelemetry()
         self.net = net
         #: Whether local writes go through (a full disk is reported once, not per write).
-        self.storage = storage or StorageHealth(str(store.datadir.path))
+        self.storage = storage
         #: One catch-up page asked at a time (:func:`~.catch_up.fetch_chain`).
         self.catching_up = asyncio.Lock()
         self._recent: dict[tuple[str, str], float] = {}
@@ -120,15 +118,6 @@ class PeerServices:
         self._origins: OrderedDict[bytes, str] = OrderedDict()
         #: address -> (transport faults in a row, when the last was): asked last a while
         self._faults: dict[str, tuple[int, float]] = {}
-        self._fetcher = BlobFetcher(
-            net.client,
-            store.blobs,
-            timeout_s=fetch_timeout_s,
-            probe_timeout_s=net.config.probe_timeout_s,
-            min_rate=net.config.min_fetch_rate,
-            on_bad_provider=self._bad,
-            on_fault=self.transport_fault,
-        )
 
     # -- publishing and records -----------------------------------------------------------
 
@@ -152,7 +141,7 @@ class PeerServices:
                 self._origins.popitem(last=False)
         self.net.publish(self.topic, kind, data, again=again)
 
-    def published_by(self, message: Delivered) -> str | None:
+    def published_by(self, message: Message) -> str | None:
         """The role of this node that published ``message`` (None: a peer's, or no role's)."""
         if message.from_peer:
             return None
@@ -176,14 +165,14 @@ class PeerServices:
         net = self.net
         addresses = [a for p in first if (a := net.address_of(p)) is not None]
         addresses += self.bootstrap
-        others = [a for s in net.peers if (a := net.address_of(s.record.peer_id)) is not None]
+        others = [a for r in net.known_peers() if (a := net.address_of(r.peer_id)) is not None]
         self.rng.shuffle(others)
         addresses += others
         own = net.address
         unique = [a for a in dict.fromkeys(addresses) if a != own]
         # those that failed in transit lately go last (a stable sort keeps the order
         # otherwise): tried when the others cannot help, never left out
-        now = time.monotonic()
+        now = clock()
         unique.sort(key=lambda a: self._fault_count(a, now))
         return unique[:_MAX_PROVIDERS]
 
@@ -193,7 +182,7 @@ class PeerServices:
         count, _ = self._faults.get(address, (0, 0.0))
         if len(self._faults) > 10_000:
             self._faults.clear()
-        self._faults[address] = (count + 1, time.monotonic())
+        self._faults[address] = (count + 1, clock())
         logger.debug("provider %s: %s", address, reason)
 
     def _fault_count(self, address: str, now: float) -> int:
@@ -201,14 +190,15 @@ class PeerServices:
         return count if now - when < _FAULT_MEMORY_S else 0
 
     def key_of(self, peer_id: str) -> bytes:
-        signed = self.net.peers.get(peer_id) if peer_id else None
-        return self.identity.public_key if signed is None else signed.record.public_key
+        """The public key of ``peer_id`` ("", or a peer we do not know: our own)."""
+        record = self.net.peer_record(peer_id) if peer_id else None
+        return self.identity.public_key if record is None else record.public_key
 
-    def record_at(self, address: str) -> PeerRecord | None:
+    def record_at(self, address: str) -> Peer | None:
         """The signed record of the peer that advertises ``address``, if we know it."""
-        for signed in self.net.peers:
-            if address in signed.record.addresses:
-                return signed.record
+        for record in self.net.known_peers():
+            if address in record.addresses:
+                return record
         return None
 
     def key_at(self, address: str) -> bytes:
@@ -224,7 +214,7 @@ class PeerServices:
         size: int | None = None,
         *,
         kind: str = "other",
-    ) -> FetchResult | None:
+    ) -> Downloaded | None:
         """Fetch a blob into the store (verified by its hash) unless it is there already;
         the fetch's figures, or None when nothing had to be fetched. ``kind`` (update,
         aggregate, state, shard) files its bytes in the node's telemetry."""
@@ -233,7 +223,9 @@ class PeerServices:
         providers = self.providers(first)
         if not providers:
             raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
-        result = await self._fetcher.fetch(blob_id, providers, size=size)
+        result = await self.net.download(
+            blob_id, providers, size=size, on_bad=self._bad, on_fault=self.transport_fault
+        )
         self.storage.succeeded()
         moved = sum(result.bytes_by_provider.values())
         self.telemetry.fetched(blob_id, kind, result.seconds, moved)
@@ -272,7 +264,7 @@ class PeerServices:
 
         async def ask(address: str) -> Signed[Update] | None:
             try:
-                raw = await self.net.client.record(address, update_id)
+                raw = await self.net.record(address, update_id)
                 signed = open_envelope(raw, Update)
                 if signed.record_id != update_id:
                     raise ProtocolViolation(f"asked for update {update_id[:12]}, got another")
@@ -289,45 +281,15 @@ class PeerServices:
     async def first_answer(
         self, addresses: Sequence[str], ask: Callable[[str], Awaitable[T | None]]
     ) -> T | None:
-        """``ask`` the first address, and one more every ``_HEDGE_S`` while none answered
-        (each bounded by ``SMALL_ANSWER_S``); the first answer that is not None wins and the
-        other questions are cancelled. A hung or slow peer costs a second, not a timeout."""
-        queue = list(addresses)
-        pending: set[asyncio.Task[T | None]] = set()
-
-        async def bounded(address: str) -> T | None:
-            try:
-                async with asyncio.timeout(SMALL_ANSWER_S):
-                    return await ask(address)
-            except TimeoutError:
-                self.transport_fault(address, f"no answer within {SMALL_ANSWER_S:g}s")
-                return None
-
-        try:
-            while queue or pending:
-                if queue:
-                    pending.add(asyncio.create_task(bounded(queue.pop(0))))
-                done, pending = await asyncio.wait(
-                    pending,
-                    timeout=_HEDGE_S if queue else None,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                for task in done:
-                    answer = task.result()
-                    if answer is not None:
-                        return answer
-            return None
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        """``ask`` the providers hedged (:func:`~.racing.hedged`); one that does not answer
+        in time is asked after the others for a while."""
+        return await hedged(addresses, ask, on_timeout=self.transport_fault)
 
     async def push_blob(self, blob_id: str, dropped: Callable[[], str | None], window: int) -> bool:
         """An outbound-only trainer hands its update blob to a reachable peer (a seed
         first), trying again while the window is open. False when the push was dropped
         (``dropped()`` says why: the window was certified meanwhile, or the blob is gone;
         neither is the role's failure)."""
-        path = self.store.blobs.path(blob_id)
         errors = []
         for attempt in range(FETCH_ATTEMPTS):
             for address in self.providers():
@@ -336,8 +298,8 @@ class PeerServices:
                                 blob_id[:12], reason)  # fmt: skip
                     return False
                 try:
-                    if await self.net.client.push_blob(address, blob_id, path):
-                        self.telemetry.count_bytes("sent", "update", path.stat().st_size)
+                    if sent := await self.net.push_blob(address, blob_id):
+                        self.telemetry.count_bytes("sent", "update", sent)
                     return True
                 except FileNotFoundError:
                     continue  # collected as we opened it: said above, on the next turn
@@ -350,7 +312,7 @@ class PeerServices:
 
     def report(self, peer_id: str, reason: str) -> None:
         """Count ``reason`` against the peer, once even when several roles found it."""
-        now = time.monotonic()
+        now = clock()
         self._recent = {k: t for k, t in self._recent.items() if now - t < _SAME_REPORT_S}
         if (peer_id, reason) in self._recent:
             return

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.driver.storage import StorageHealth, as_storage_fault
 from p2ptrain.errors import StorageFault, TransportError
-from p2ptrain.node.storage import StorageHealth, as_storage_fault
 from p2ptrain.store.atomic import overwrite_in_place
 
 
@@ -38,7 +38,7 @@ def test_a_storage_fault_is_logged_once_and_cleared_by_a_write(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     health = StorageHealth()
-    with caplog.at_level(logging.DEBUG, logger="p2ptrain.node.storage"):
+    with caplog.at_level(logging.DEBUG, logger="p2ptrain.driver.storage"):
         for _ in range(50):
             assert health.check("fetching", StorageFault("/d/blobs", "No space left on device"))
         assert not health.check("fetching", TransportError("not a disk problem"))

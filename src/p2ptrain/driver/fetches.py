@@ -9,9 +9,9 @@ from typing import Any
 
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Update
+from p2ptrain.driver.catch_up import fetch_chain, sync_window
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import TransportError
-from p2ptrain.node.catch_up import fetch_chain, sync_window
-from p2ptrain.node.services import PeerServices
 from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (
     AggregateFetch,

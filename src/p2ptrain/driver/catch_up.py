@@ -21,8 +21,9 @@ from typing import Any
 
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.records import Proposal, Update
+from p2ptrain.driver.racing import SMALL_ANSWER_S
+from p2ptrain.driver.services import PeerServices
 from p2ptrain.errors import ProtocolViolation, TransportError
-from p2ptrain.node.services import SMALL_ANSWER_S, PeerServices
 from p2ptrain.protocol.chain import HELD_HEADS_REPORTED, MAX_LINKS_PER_PAGE, ChainPage
 
 __all__ = ["NothingAbove", "fetch_chain", "sync_window"]
@@ -57,9 +58,7 @@ async def fetch_chain(
 
         async def ask(provider: str) -> ChainPage | None:
             try:
-                answer = await services.net.client.head_links(
-                    provider, services.experiment_id, above
-                )
+                answer = await services.net.head_links(provider, services.experiment_id, above)
             except TransportError as exc:
                 services.transport_fault(provider, str(exc))
                 outcomes[provider] = str(exc)
@@ -97,9 +96,7 @@ async def sync_window(
     async def holdings(address: str) -> list[tuple[str, str, str]]:
         try:
             async with asyncio.timeout(SMALL_ANSWER_S):
-                answer = await services.net.client.window_records(
-                    address, services.experiment_id, window
-                )
+                answer = await services.net.window_records(address, services.experiment_id, window)
         except (TransportError, TimeoutError) as exc:
             services.transport_fault(address, str(exc) or "no answer")
             return []
@@ -120,7 +117,7 @@ async def sync_window(
     async def fetch(record_id: str, kind: str, address: str) -> Signed[Any] | None:
         try:
             async with asyncio.timeout(SMALL_ANSWER_S):
-                raw = await services.net.client.record(address, record_id)
+                raw = await services.net.record(address, record_id)
             signed = open_envelope(raw, _SYNC_KINDS[kind])
             if signed.record_id != record_id or signed.record.window != window:
                 raise ProtocolViolation(f"named {kind} {record_id[:12]} but served another")
