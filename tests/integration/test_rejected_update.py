@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from p2ptrain.core.reasons import Code
 from p2ptrain.core.records import Proposal
 from tests.browser.conftest import (
     EVALUATOR,
@@ -72,7 +73,7 @@ def test_the_outlier_is_rejected_with_its_norm_ratio_and_the_others_accepted(net
     assert reasons[1] == reasons[2] and NORM_REASON.fullmatch(reasons[1]), reasons
     assert 0.5 * SCALE < _ratio(reasons[1]) < 2 * SCALE
     # ... and the third strike quarantines the trainer, saying why
-    assert reasons[WINDOWS].startswith(f"{QUARANTINE_AFTER} rejected updates in a row (last: norm")
+    assert reasons[WINDOWS].startswith("quarantined for rejected updates in a row (last: norm")
     assert 0.5 * SCALE < _ratio(reasons[WINDOWS]) < 2 * SCALE
     # every window certified with the two honest updates
     assert [(e["height"], e["accepted"]) for e in net.events("adopted", "seed")] == [
@@ -90,11 +91,11 @@ def test_the_heads_quarantine_book_and_the_proposals_say_why(net: Net) -> None:
         assert entry.peer_id == faulty
         if head.height < QUARANTINE_AFTER:
             assert (entry.strikes, entry.offences, entry.until_window) == (head.height, 0, 0)
-            assert entry.reason == f"rejected: {reasons[head.height]}"
+            assert entry.describe() == reasons[head.height]
         else:
             assert (entry.strikes, entry.offences) == (0, 1)
             assert entry.until_window == head.height + QUARANTINE_WINDOWS
-            assert entry.reason == reasons[head.height]
+            assert entry.describe() == reasons[head.height]
     # the proposal of each window names the faulty update among the rejected, with the
     # figure for that window; the honest ones are its accepted updates
     proposals = {
@@ -106,6 +107,7 @@ def test_the_heads_quarantine_book_and_the_proposals_say_why(net: Net) -> None:
         assert proposal.head.id == heads[height]
         assert len(proposal.accepted) == len(HONEST_TRAINERS)
         [rejection] = proposal.rejected
-        assert NORM_REASON.fullmatch(rejection.reason), rejection.reason
-        assert 0.5 * SCALE < _ratio(rejection.reason) < 2 * SCALE
-    assert proposals[1].rejected[0].reason == reasons[1]
+        assert rejection.reason.code == Code.NORM_ABOVE
+        assert NORM_REASON.fullmatch(rejection.describe()), rejection.describe()
+        assert 0.5 * SCALE < _ratio(rejection.describe()) < 2 * SCALE
+    assert proposals[1].rejected[0].describe() == reasons[1]

@@ -25,6 +25,7 @@ from p2ptrain.core.manifests import (
     WindowSpec,
     WorkloadSpec,
 )
+from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import (
     REACHABILITY,
     ROLES,
@@ -50,6 +51,26 @@ texts = st.text(
     st.characters(codec="utf-8", categories=["L", "N", "P"], include_characters=" "), max_size=60
 )
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+#: The arguments each reason code takes (core/reasons.py).
+_ARG = {"i": st.integers(0, 2**40), "f": finite, "s": names}
+_REASON_ARGS = {
+    Code.QUARANTINED: "i",
+    Code.WRONG_CODEC: "ss",
+    Code.LEASE_SHARDS: "i",
+    Code.LEASE_SAMPLES: "ii",
+    Code.NOT_FLOAT32: "s",
+    Code.WRONG_SHAPE: "s",
+    Code.NOT_FINITE: "s",
+    Code.NORM_ABOVE: "ff",
+    Code.NORM_BELOW: "ff",
+    Code.COSINE_BELOW: "ff",
+}
+reasons = st.sampled_from(list(Code)).flatmap(
+    lambda code: st.tuples(*(_ARG[kind] for kind in _REASON_ARGS.get(code, ""))).map(
+        lambda args: Reason(code, args)
+    )
+)
 addresses = st.builds(
     "{}://{}:{}".format,
     st.sampled_from(["http", "https"]),
@@ -202,7 +223,9 @@ def heads(draw: st.DrawFn, experiment_id: str | None = None, height: int | None 
         optimizer_blob=draw(st.none() | hex_ids),
         accepted=() if h == 0 else draw(sorted_unique(hex_ids, max_size=6)),
         quarantine=tuple(
-            QuarantineEntry(peer_id=p, until_window=draw(st.integers(1, 10**6)), reason=draw(texts))
+            QuarantineEntry(
+                peer_id=p, until_window=draw(st.integers(1, 10**6)), reason=draw(reasons)
+            )
             for p in quarantined
         ),
         aggregate_blob=None if h == 0 else draw(hex_ids),
@@ -214,7 +237,7 @@ def proposals(draw: st.DrawFn, reducer: bytes | None = None) -> Proposal:
     head = draw(heads(height=draw(st.integers(1, 10_000))))
     rejected_ids = draw(sorted_unique(hex_ids, max_size=4))
     rejected = tuple(
-        Rejection(update_id=u, reason=draw(texts)) for u in rejected_ids if u not in head.accepted
+        Rejection(update_id=u, reason=draw(reasons)) for u in rejected_ids if u not in head.accepted
     )
     assert head.parent is not None
     return Proposal(

@@ -21,6 +21,7 @@ from p2ptrain.aggregate.cohort import Contribution, Failure
 from p2ptrain.aggregate.exact import dot64, flatten, norm64
 from p2ptrain.aggregate.rules import make_rule
 from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
+from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.tensors import TensorSpec
 
 
@@ -39,7 +40,8 @@ class ScreeningVerdict:
 
     update_id: str
     accepted: bool
-    reason: str
+    #: Why it was turned down (None: accepted).
+    reason: Reason | None
     norm: float | None = None
     norm_ratio: float | None = None
     cosine: float | None = None
@@ -54,22 +56,22 @@ class ScreeningOutcome:
     failures: tuple[Failure, ...]
 
 
-def check_structure(tensors: Mapping[str, torch.Tensor], schema: Sequence[TensorSpec]) -> str:
-    """'' when ``tensors`` match ``schema`` and are finite float32, else the problem."""
+def check_structure(
+    tensors: Mapping[str, torch.Tensor], schema: Sequence[TensorSpec]
+) -> Reason | None:
+    """None when ``tensors`` match ``schema`` and are finite float32, else the problem."""
     expected = {spec.name: spec for spec in schema}
     if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        return f"tensors do not match the model schema (missing {missing[:3]}, extra {extra[:3]})"
+        return Reason(Code.SCHEMA_MISMATCH)
     for name in sorted(expected):
         tensor, spec = tensors[name], expected[name]
         if tensor.dtype != torch.float32:
-            return f"parameter {name!r} is {tensor.dtype}, expected float32"
+            return Reason(Code.NOT_FLOAT32, (name[:64],))
         if tuple(tensor.shape) != tuple(spec.shape):
-            return f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}"
+            return Reason(Code.WRONG_SHAPE, (name[:64],))
         if not bool(torch.isfinite(tensor).all()):
-            return f"parameter {name!r} holds NaN or infinite values"
-    return ""
+            return Reason(Code.NOT_FINITE, (name[:64],))
+    return None
 
 
 def screen_cohort(
@@ -81,7 +83,7 @@ def screen_cohort(
     vectors: dict[str, torch.Tensor] = {}
     for candidate in ordered:
         problem = check_structure(candidate.tensors, schema)
-        if problem:
+        if problem is not None:
             verdicts[candidate.update_id] = ScreeningVerdict(candidate.update_id, False, problem)
         else:
             vectors[candidate.update_id] = flatten(candidate.tensors)
@@ -93,17 +95,11 @@ def screen_cohort(
     for update_id in in_range:
         ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
         if centre is None or centre_norm == 0.0 or norms[update_id] == 0.0:
-            verdicts[update_id] = ScreeningVerdict(
-                update_id, True, "accepted", norms[update_id], ratio
-            )
+            verdicts[update_id] = ScreeningVerdict(update_id, True, None, norms[update_id], ratio)
             continue
         cosine = dot64(vectors[update_id], centre) / (norms[update_id] * centre_norm)
         accepted = cosine >= spec.min_cosine
-        reason = (
-            "accepted"
-            if accepted
-            else f"cosine {cosine:.3f} to the cohort's robust centre is below {spec.min_cosine}"
-        )
+        reason = None if accepted else Reason(Code.COSINE_BELOW, (cosine, float(spec.min_cosine)))
         verdicts[update_id] = ScreeningVerdict(
             update_id, accepted, reason, norms[update_id], ratio, cosine
         )
@@ -116,7 +112,9 @@ def screen_cohort(
             for v in final
             if v.accepted
         ),
-        failures=tuple(Failure(v.update_id, v.reason) for v in final if not v.accepted),
+        failures=tuple(
+            Failure(v.update_id, describe(v.reason)) for v in final if v.reason is not None
+        ),
     )
 
 
@@ -130,9 +128,9 @@ def _norm_screen(
         norm = norms[update_id]
         ratio = norm / median if median > 0 else 1.0
         if median > 0 and ratio > max_ratio:
-            reason = f"norm {ratio:.2f}x the cohort median exceeds {max_ratio}x"
+            reason = Reason(Code.NORM_ABOVE, (ratio, float(max_ratio)))
         elif median > 0 and ratio < 1.0 / max_ratio:
-            reason = f"norm {ratio:.3f}x the cohort median is below 1/{max_ratio} (no training?)"
+            reason = Reason(Code.NORM_BELOW, (ratio, float(max_ratio)))
         else:
             passed.append(update_id)
             continue

@@ -18,7 +18,14 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+#: What each protocol version changed (said when a peer or a data directory speaks another).
+VERSION_CHANGES = {
+    2: "leases changed",
+    3: "heads name their aggregate",
+    4: "inner learning-rate schedules, rounded aggregates, int4 and int2 codecs",
+    5: "rejection and quarantine reasons are codes, not English",
+}
 
 ADMISSION_POLICIES = ("open", "certificate")
 TRAINING_PROTOCOLS = ("diloco", "fedavg")
@@ -95,7 +102,9 @@ class NetworkManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise InvalidRecord(
                 "protocol_version",
                 f"is {self.protocol_version}; this p2ptrain speaks protocol {PROTOCOL_VERSION} "
-                "only (leases changed in 2): run the same p2ptrain version as the network",
+                f"only ({VERSION_CHANGES.get(PROTOCOL_VERSION, 'records changed')}): run the "
+                f"p2ptrain release of protocol {self.protocol_version} to take part in that "
+                "network, or start a new network and experiment with this one",
             )
         rules.check_count("bootstrap", self.bootstrap, 0, 64)
         for i, address in enumerate(self.bootstrap):

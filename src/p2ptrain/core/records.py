@@ -12,6 +12,7 @@ import msgspec
 from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.reasons import Reason, describe
 from p2ptrain.core.roles import ROLES
 from p2ptrain.errors import InvalidRecord
 
@@ -114,18 +115,25 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     peer_id: str
     until_window: int
-    reason: str
+    #: The rejection behind the standing: the first of the strikes, or the one that made
+    #: the trainer an offender (:meth:`describe` says it in words).
+    reason: Reason
     strikes: int = 0
     offences: int = 0
 
     def __post_init__(self) -> None:
         rules.check_hex_id("quarantine.peer_id", self.peer_id)
         rules.check_int("quarantine.until_window", self.until_window, 0)
-        rules.check_text("quarantine.reason", self.reason, 256)
         rules.check_int("quarantine.strikes", self.strikes, 0, 1_000_000)
         rules.check_int("quarantine.offences", self.offences, 0, 1_000_000)
         if self.until_window == 0 and self.strikes == 0 and self.offences == 0:
             raise InvalidRecord("quarantine", "an entry with no strikes, offences or exclusion")
+
+    def describe(self) -> str:
+        """The standing's reason in words."""
+        if self.offences:
+            return f"quarantined for rejected updates in a row (last: {describe(self.reason)})"
+        return describe(self.reason)
 
 
 class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -171,11 +179,14 @@ class Rejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """An update left out of a proposal, and why."""
 
     update_id: str
-    reason: str
+    reason: Reason
 
     def __post_init__(self) -> None:
         rules.check_hex_id("rejected.update_id", self.update_id)
-        rules.check_text("rejected.reason", self.reason, 256)
+
+    def describe(self) -> str:
+        """Why, in words."""
+        return describe(self.reason)
 
 
 class Proposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -218,7 +218,16 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
     raw_network = store.record(experiment.record.network_id)
     if raw_network is None:
         raise LocalError(f"{store.datadir.path}: the network manifest is missing; rejoin")
-    network = open_envelope(raw_network, NetworkManifest)
+    try:
+        network = open_envelope(raw_network, NetworkManifest)
+    except ProtocolViolation as exc:
+        if "protocol_version" not in str(exc):
+            raise
+        raise LocalError(
+            f"{store.datadir.path} holds a network of another protocol version: {exc}. Its "
+            "chain and records cannot be carried over; start this node with a new --data-dir "
+            "(and a new network and experiment), or keep this one with that release"
+        ) from exc
     genesis = decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
     return Prepared(identity, network, experiment, genesis)
 

@@ -228,7 +228,7 @@ def update_outcome(
             (earlier.strikes, earlier.offences) if earlier is not None else (0, 0)
         )
         if struck if before is not None else (mine.strikes or mine.until_window >= head.height):
-            return f"rejected: {mine.reason.removeprefix('rejected: ')}"
+            return f"rejected: {mine.describe()}"
     return f"left out: {left_out_reason(len(head.accepted))}"
 
 

@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.reasons import Reason
 from p2ptrain.core.records import Head, Proposal, Update
 from p2ptrain.net.net_metrics import PREFIX
 from p2ptrain.observe.events import NodeEvent, Published, RoleFailure, Trained
@@ -101,7 +102,7 @@ class NodeTelemetry:
         self._phases: dict[int, dict[str, float]] = {}
         self._failed: set[tuple[int, str]] = set()
         #: head id -> (window, rejections) of the proposals seen for open windows.
-        self._proposed: dict[str, tuple[int, dict[str, str]]] = {}
+        self._proposed: dict[str, tuple[int, dict[str, Reason]]] = {}
         self._open_window = 1
         self._adopted_at = time.monotonic()
         self._wire_at_adoption = (0, 0)
@@ -218,7 +219,7 @@ class NodeTelemetry:
     # -- certified heads ------------------------------------------------------------------
 
     def count_head(
-        self, head: Head, parent: Head | None, rejected: Mapping[str, str] | None = None
+        self, head: Head, parent: Head | None, rejected: Mapping[str, Reason] | None = None
     ) -> None:
         """Count a certified head (stored or new): its accepted updates and rejections, by
         reason (``rejected``: its proposal's, when seen; else the quarantine book's)."""
@@ -227,7 +228,7 @@ class NodeTelemetry:
         if rejected is None:
             rejected = {e.peer_id: e.reason for e in rejections(head, parent)}
         for reason in rejected.values():
-            label = reason_label(reason, self.updates_rejected)
+            label = reason_label(reason)
             self.updates_rejected[label] = self.updates_rejected.get(label, 0) + 1
 
     def certified(

@@ -14,15 +14,15 @@ updates, metrics reports) and its own clocks and counters; nothing is a secret.
 from __future__ import annotations
 
 import logging
-import re
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.records import Head, QuarantineEntry
 from p2ptrain.observe.events import left_out_reason
 from p2ptrain.store.atomic import write_atomically
@@ -48,8 +48,6 @@ HISTORY_FILE = "history.json"
 KEEP_WINDOWS = 256
 #: Rejected and left-out updates a window record lists (the rest are counted).
 MAX_LISTED = 32
-#: Distinct reason labels a counter keeps before it files new ones under "other".
-MAX_REASON_LABELS = 16
 
 
 class _Record(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,7 +156,7 @@ def window_record(
     phases: Mapping[str, float],
     bytes_sent: int,
     bytes_received: int,
-    rejected: Mapping[str, str] | None = None,
+    rejected: Mapping[str, Reason] | None = None,
 ) -> WindowRecord:
     """One window's record from its certified head, its parent and the updates seen.
     ``rejected``: the certified proposal's rejections (update id -> why), when this node saw
@@ -173,16 +171,16 @@ def window_record(
     if rejected is not None:
         for update_id, why in list(rejected.items())[:MAX_LISTED]:
             update = of_window.pop(update_id, None) or seen.get(update_id)
-            fates.append(_fate(update_id, update, "rejected", why))
+            fates.append(_fate(update_id, update, "rejected", describe(why)))
     else:
         by_trainer = {u.trainer: u for u in of_window.values()}
         for entry in rejections(head, parent):
             update = by_trainer.pop(entry.peer_id, None)
             if update is not None:
                 of_window.pop(update.update_id, None)
-            why = entry.reason.removeprefix("rejected: ")
             update_id = "" if update is None else update.update_id
-            fates.append(_fate(update_id, update, "rejected", why, trainer=entry.peer_id))
+            said = describe(entry.reason)
+            fates.append(_fate(update_id, update, "rejected", said, trainer=entry.peer_id))
     # updates the head does not name: listed up to a bound (anyone may sign updates)
     left_out = list(of_window.values())
     for update in left_out[:MAX_LISTED]:
@@ -194,7 +192,7 @@ def window_record(
         QuarantineChange(
             peer=e.peer_id,
             until_window=e.until_window,
-            reason=e.reason,
+            reason=e.describe(),
             strikes=e.strikes,
             offences=e.offences,
         )
@@ -231,22 +229,10 @@ def _fate(
     )
 
 
-_LABEL = re.compile(r"[^a-z0-9]+")
-_LABEL_STOPWORDS = frozenset({"a", "an", "the", "of", "in", "on", "to", "is", "by", "x", "last"})
-
-
-def reason_label(reason: str, known: Iterable[str] = ()) -> str:
-    """A short, bounded Prometheus label for a free-text reason: the first three words of
-    its first clause, lowercase, without numbers or small words, joined by ``_`` (``"norm
-    1007.60x the cohort median exceeds 3.0x"`` -> ``norm_cohort_median``); once
-    :data:`MAX_REASON_LABELS` labels are ``known``, a new one is ``other``."""
-    text = reason.removeprefix("rejected: ").split(":", 1)[0].lower()
-    words = [w for w in _LABEL.split(text) if w.isalpha() and w not in _LABEL_STOPWORDS][:3]
-    label = "_".join(words)[:40] or "unspecified"
-    known = set(known)
-    if label not in known and len(known) >= MAX_REASON_LABELS:
-        return "other"
-    return label
+def reason_label(reason: Reason) -> str:
+    """The Prometheus label of a rejection reason: its code's name, lowercase
+    (``norm_above``); a bounded set, one label per code."""
+    return Code(reason.code).name.lower()
 
 
 _decoder = msgspec.json.Decoder(list[WindowRecord])

@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest
+from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Update
 from p2ptrain.errors import LocalError
 
@@ -132,21 +132,15 @@ def lease_runs(dataset: DatasetManifest, lease: Lease) -> list[tuple[int, int]]:
 
 def check_lease(
     manifest: ExperimentManifest, update: Update, lease: Lease | None = None
-) -> Verdict:
-    """Whether ``update`` claims exactly the lease its trainer has in its window."""
+) -> Reason | None:
+    """Why ``update`` does not claim exactly the lease its trainer has in its window (None:
+    it does)."""
     expected = lease if lease is not None else lease_for(manifest, update.window, update.trainer_id)
     if update.lease_shards != expected.shards:
-        return Verdict(
-            False,
-            f"lease names shards {list(update.lease_shards)[:4]}, the trainer's lease for window "
-            f"{update.window} is {list(expected.shards)[:4]}",
-        )
+        return Reason(Code.LEASE_SHARDS, (update.window,))
     if update.lease_samples != expected.samples:
-        return Verdict(
-            False,
-            f"lease claims {update.lease_samples} samples, the lease holds {expected.samples}",
-        )
-    return Verdict(True, "lease matches")
+        return Reason(Code.LEASE_SAMPLES, (update.lease_samples, expected.samples))
+    return None
 
 
 class LeaseBook:
@@ -173,5 +167,5 @@ class LeaseBook:
             per_window[peer_id] = lease
         return lease
 
-    def check(self, update: Update) -> Verdict:
+    def check(self, update: Update) -> Reason | None:
         return check_lease(self.manifest, update, self.lease(update.window, update.trainer_id))

@@ -640,6 +640,6 @@ def _refusals(reduction: Reduction, shown: int = 3) -> str:
     """The first rejection reasons of a reduction that made no head, for the status."""
     if not reduction.rejected:
         return ""
-    listed = "; ".join(f"{r.update_id[:12]}: {r.reason}" for r in reduction.rejected[:shown])
+    listed = "; ".join(f"{r.update_id[:12]}: {r.describe()}" for r in reduction.rejected[:shown])
     more = len(reduction.rejected) - shown
     return f" (rejected {listed}{f'; {more} more' if more > 0 else ''})"

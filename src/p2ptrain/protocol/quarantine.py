@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from p2ptrain.core.manifests import ScreeningSpec
+from p2ptrain.core.reasons import Reason
 from p2ptrain.core.records import QuarantineEntry
 
 __all__ = ["MAX_EXCLUSION", "excluded_until", "next_standings"]
@@ -38,7 +39,7 @@ def next_standings(
     previous: Iterable[QuarantineEntry],
     window: int,
     accepted: Iterable[str],
-    rejected: Mapping[str, str],
+    rejected: Mapping[str, Reason],
     spec: ScreeningSpec,
 ) -> tuple[QuarantineEntry, ...]:
     """The standings after ``window`` from those before it, the trainers whose update was
@@ -61,14 +62,12 @@ def next_standings(
         entry = standings.get(peer_id)
         strikes = (entry.strikes if entry else 0) + 1
         offences = entry.offences if entry else 0
-        until, reason = (entry.until_window, entry.reason) if entry else (0, "")
+        until, reason = (entry.until_window, entry.reason) if entry else (0, rejected[peer_id])
         if strikes >= spec.quarantine_after:
             length = min(MAX_EXCLUSION, spec.quarantine_windows * 2 ** min(offences, 20))
             until = window + length
-            reason = f"{strikes} rejected updates in a row (last: {rejected[peer_id]})"[:256]
+            reason = rejected[peer_id]  # the rejection that made the trainer an offender
             strikes, offences = 0, offences + 1
-        elif not reason:
-            reason = f"rejected: {rejected[peer_id]}"[:256]
         standings[peer_id] = QuarantineEntry(
             peer_id=peer_id, until_window=until, reason=reason, strikes=strikes, offences=offences
         )

@@ -30,6 +30,7 @@ from p2ptrain.aggregate.screening import Candidate, screen_cohort
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
+from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, Rejection, Update
 from p2ptrain.core.tensors import encode_state_dict, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
@@ -147,23 +148,23 @@ def _admit(
     submission: Submission,
     leases: LeaseBook,
     repeated: bool,
-) -> tuple[str, bool]:
-    """('' or the rejection reason, whether it counts as a strike)."""
+) -> tuple[Reason | None, bool]:
+    """(None or the rejection reason, whether it counts as a strike)."""
     update = submission.update
     until = excluded_until(base.head.quarantine, update.trainer_id, base.window)
     if until is not None:
-        return f"trainer is quarantined until window {until}", False
+        return Reason(Code.QUARANTINED, (until,)), False
     if repeated:
-        return "trainer sent more than one update in this window", True
+        return Reason(Code.REPEATED), True
     if update.codec != manifest.codec.name:
-        return f"codec {update.codec!r}, the experiment uses {manifest.codec.name!r}", True
-    lease = leases.check(update)
-    if not lease:
-        return lease.reason, True
+        return Reason(Code.WRONG_CODEC, (update.codec[:64], manifest.codec.name)), True
+    problem = leases.check(update)
+    if problem is not None:
+        return problem, True
     blob = submission.blob
     if len(blob) != update.delta_bytes or sha256_hex(blob) != update.delta_blob:
-        return "blob does not match the update's delta_blob hash and size", True
-    return "", True
+        return Reason(Code.BLOB_MISMATCH), True
+    return None, True
 
 
 def reduce_window(
@@ -191,8 +192,8 @@ def reduce_window(
     per_trainer = Counter(s.update.trainer_id for s in ordered)
     schema = schema_of(base.weights)
     limit = max_update_bytes(manifest.codec, schema)
-    rejections: dict[str, str] = {}
-    struck: dict[str, str] = {}
+    rejections: dict[str, Reason] = {}
+    struck: dict[str, Reason] = {}
     candidates: list[Candidate] = []
     trainer_of: dict[str, str] = {}
     for submission in ordered:
@@ -201,22 +202,22 @@ def reduce_window(
         problem, strike = _admit(
             manifest, base, submission, leases, per_trainer[update.trainer_id] > 1
         )
-        if not problem:
+        if problem is None:
             try:
                 tensors = decode_update(submission.blob, manifest.codec, schema, max_bytes=limit)
-            except ProtocolViolation as error:
-                problem = f"undecodable update: {error}"
+            except ProtocolViolation:
+                problem = Reason(Code.UNDECODABLE)
             else:
                 weight = float(update.lease_samples)
                 candidates.append(Candidate(submission.update_id, tensors, weight))
                 continue
-        rejections[submission.update_id] = problem[:256]
+        rejections[submission.update_id] = problem
         if strike:
             struck[update.trainer_id] = problem
     outcome = screen_cohort(candidates, schema, manifest.screening)
     for screened in outcome.verdicts:
-        if not screened.accepted:
-            rejections[screened.update_id] = screened.reason[:256]
+        if screened.reason is not None:
+            rejections[screened.update_id] = screened.reason
             struck[trainer_of[screened.update_id]] = screened.reason
     accepted = tuple(c.update_id for c in outcome.contributions)
     rejected = tuple(Rejection(update_id=i, reason=r) for i, r in sorted(rejections.items()))

@@ -13,6 +13,7 @@ from p2ptrain.core.manifests import (
     WindowSpec,
     secret_check,
 )
+from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, PeerRecord, Proposal, Rejection, Update
 from p2ptrain.errors import InvalidRecord, LocalError, ProtocolViolation
 from tests.support.builders import experiment, h, head, identity
@@ -106,7 +107,7 @@ def test_proposal_must_agree_with_its_head() -> None:
         "base_head": new_head.parent,
         "reducer": BOB.public_key,
         "accepted": new_head.accepted,
-        "rejected": (Rejection(update_id=h("bad"), reason="norm 40x the cohort median"),),
+        "rejected": (Rejection(update_id=h("bad"), reason=Reason(Code.NORM_ABOVE, (40.0, 3.0))),),
         "aggregate_blob": new_head.aggregate_blob,
         "head": new_head,
     }
@@ -116,7 +117,14 @@ def test_proposal_must_agree_with_its_head() -> None:
         ({"base_head": h("elsewhere")}, "head"),
         ({"accepted": ()}, "head.accepted"),
         ({"aggregate_blob": h("another")}, "head.aggregate_blob"),
-        ({"rejected": (Rejection(update_id=new_head.accepted[0], reason="x"),)}, "rejected"),
+        (
+            {
+                "rejected": (
+                    Rejection(update_id=new_head.accepted[0], reason=Reason(Code.REPEATED)),
+                )
+            },
+            "rejected",
+        ),
     ]:
         with pytest.raises(InvalidRecord) as info:
             Proposal(**{**fields, **change})  # type: ignore[arg-type]

@@ -11,12 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from p2ptrain.core.certificate import QuorumCertificate, ValidatorSignature
 from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.reasons import ARITY, Code, Reason, describe
 from p2ptrain.core.records import Head, Proposal, QuarantineEntry, Rejection, Update
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.observe.status import NodeStatus
 from p2ptrain.observe.telemetry import NodeTelemetry, node_families
 from p2ptrain.observe.window_history import (
-    MAX_REASON_LABELS,
     WindowHistory,
     read_history,
     reason_label,
@@ -66,17 +66,21 @@ def _update(trainer: bytes, window: int, loss: float, blob: int) -> Update:
     )
 
 
-def _entry(peer: str, strikes: int, until: int = 0, reason: str = "") -> QuarantineEntry:
+NORM = Reason(Code.NORM_ABOVE, (9.5, 3.0))
+REPEATED = Reason(Code.REPEATED)
+
+
+def _entry(peer: str, strikes: int, until: int = 0, reason: Reason = NORM) -> QuarantineEntry:
     return QuarantineEntry(peer_id=peer, until_window=until, reason=reason, strikes=strikes)
 
 
 def test_rejections_are_the_entries_a_head_struck_again() -> None:
-    parent = _head(1, quarantine=(_entry(PEERS[0], 1, reason="rejected: norm"),))
+    parent = _head(1, quarantine=(_entry(PEERS[0], 1),))
     head = _head(
         2,
         quarantine=(
-            _entry(PEERS[0], 1, reason="rejected: norm"),  # unchanged: not this window's
-            _entry(PEERS[1], 1, reason="rejected: update norm 1e3 exceeds 3.2"),
+            _entry(PEERS[0], 1),  # unchanged: not this window's
+            _entry(PEERS[1], 1, reason=Reason(Code.NORM_ABOVE, (1e3, 3.2))),
         ),
     )
     assert [e.peer_id for e in rejections(head, parent)] == [PEERS[1]]
@@ -85,26 +89,19 @@ def test_rejections_are_the_entries_a_head_struck_again() -> None:
     third = _head(
         3,
         quarantine=(
-            QuarantineEntry(
-                peer_id=PEERS[1], until_window=8, reason="3 in a row", strikes=0, offences=1
-            ),
+            QuarantineEntry(peer_id=PEERS[1], until_window=8, reason=NORM, strikes=0, offences=1),
         ),
     )
-    struck_twice = _head(2, quarantine=(_entry(PEERS[1], 2, reason="rejected: norm"),))
+    struck_twice = _head(2, quarantine=(_entry(PEERS[1], 2),))
     assert [e.peer_id for e in rejections(third, struck_twice)] == [PEERS[1]]
-    lapsed = _head(4, quarantine=(_entry(PEERS[1], 1, reason="rejected: norm"),))
+    lapsed = _head(4, quarantine=(_entry(PEERS[1], 1),))
     assert rejections(lapsed, struck_twice) == []  # a strike lapsed: nothing rejected
 
 
-def test_reason_labels_are_short_and_bounded() -> None:
-    assert reason_label("rejected: norm 1007.60x the cohort median exceeds 3.0x") == (
-        "norm_cohort_median"
-    )
-    assert reason_label("3 rejected updates in a row (last: norm 8x)") == "rejected_updates_row"
-    assert reason_label("") == "unspecified"
-    known = [f"kind_{chr(ord('a') + i)}" for i in range(MAX_REASON_LABELS)]
-    assert reason_label("something new", known) == "other"
-    assert reason_label("kind c: with details 3.5", known) == "kind_c"
+def test_reason_labels_are_the_codes_names() -> None:
+    assert reason_label(Reason(Code.NORM_ABOVE, (1007.6, 3.0))) == "norm_above"
+    assert reason_label(Reason(Code.QUARANTINED, (8,))) == "quarantined"
+    assert len({reason_label(Reason(code, ("x",) * ARITY[code])) for code in Code}) == len(Code)
 
 
 @pytest.mark.parametrize("saw_the_proposal", [False, True])
@@ -118,10 +115,10 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposa
         telemetry.saw_update(f"{i + 1:064x}", update, now=10.0 + i)
     telemetry.trained(1, 4.0, now=11.0)
     telemetry.published(1, now=11.5)
-    why = "rejected: update norm 850 exceeds the bound 12 (robust screening)"
+    why = Reason(Code.NOT_FINITE, ("w",))
     head = _head(1, accepted=(f"{1:064x}",), quarantine=(_entry(PEERS[1], 1, 3, why),))
     # the quarantine book keeps a standing's first reason; the proposal says this window's
-    this_window = "norm 851x the cohort median exceeds 3.0x"
+    this_window = Reason(Code.NORM_ABOVE, (851.0, 3.0))
     proposal = Proposal(
         experiment_id=EXPERIMENT,
         window=1,
@@ -134,7 +131,9 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposa
     )
     other = msgspec.structs.replace(  # a proposal that was not certified
         proposal,
-        head=_head(1, accepted=head.accepted, quarantine=(_entry(PEERS[2], 1, 3, "another"),)),
+        head=_head(
+            1, accepted=head.accepted, quarantine=(_entry(PEERS[2], 1, 3, Reason(Code.REPEATED)),)
+        ),
         rejected=(),
     )
     for seen in (proposal, other) if saw_the_proposal else ():
@@ -155,7 +154,7 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposa
     assert record.signers == (PEERS[2], PEERS[3])
     fates = {u.trainer: (u.outcome, u.reason, u.loss_after) for u in record.updates}
     assert fates[PEERS[0]] == ("accepted", "", 2.5)
-    expected = this_window if saw_the_proposal else why.removeprefix("rejected: ")
+    expected = describe(this_window if saw_the_proposal else why)
     assert fates[PEERS[1]] == ("rejected", expected, 9.0)
     assert fates[PEERS[2]][0] == "left out"
     assert [q.peer for q in record.quarantine] == [PEERS[1]]
@@ -169,7 +168,7 @@ def test_a_window_record_tells_each_updates_fate(tmp_path: Path, saw_the_proposa
     assert (record.bytes_sent, record.bytes_received) == (1000, 5000)
     assert record.reason == "certified"
     assert telemetry.windows_certified == 1 and telemetry.updates_accepted == 1
-    label = "norm_cohort_median" if saw_the_proposal else "update_norm_exceeds"
+    label = "norm_above" if saw_the_proposal else "not_finite"
     assert telemetry.updates_rejected == {label: 1}
     assert record.left_out == 1
 
@@ -218,7 +217,7 @@ def test_every_family_is_typed_and_explained(with_trainer: bool) -> None:
         adopted_head_id="h" * 64,
         windows_certified=7,
         updates_accepted=12,
-        updates_rejected={"update_norm": 2},
+        updates_rejected={"norm_above": 2},
         bytes_sent_by_kind={"update": 10, "gossip": 3},
         bytes_received_by_kind={"state": 99},
     )
@@ -231,6 +230,6 @@ def test_every_family_is_typed_and_explained(with_trainer: bool) -> None:
     }
     assert samples["p2ptrain_height", ()] == 7
     assert samples["p2ptrain_windows_certified_total", ()] == 7
-    assert samples["p2ptrain_updates_rejected_total", (("reason", "update_norm"),)] == 2
+    assert samples["p2ptrain_updates_rejected_total", (("reason", "norm_above"),)] == 2
     assert samples["p2ptrain_bytes_sent_total", (("kind", "update"),)] == 10
     assert samples["p2ptrain_phase_seconds_count", (("phase", "train"),)] == 1

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo
+from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.records import Update
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.errors import InvalidRecord, LocalError
@@ -222,10 +223,8 @@ def test_every_shard_is_taken_by_about_its_share_of_trainers() -> None:
 def test_check_lease_accepts_the_true_lease() -> None:
     lease = lease_for(UNEVEN, 3, TRAINERS[1].peer_id)
     update = update_claiming(UNEVEN, lease, window=3)
-    verdict = check_lease(UNEVEN, update)
-    assert verdict.ok, verdict.reason
-    assert verdict.reason == "lease matches"
-    assert check_lease(UNEVEN, update, lease)
+    assert check_lease(UNEVEN, update) is None
+    assert check_lease(UNEVEN, update, lease) is None
 
 
 def test_check_lease_rejects_cherry_picked_shards() -> None:
@@ -233,10 +232,7 @@ def test_check_lease_rejects_cherry_picked_shards() -> None:
     others = tuple(sorted(s.name for s in UNEVEN.dataset.shards if s.name not in lease.shards))
     picked = (*lease.shards[1:], others[0])
     update = update_claiming(UNEVEN, lease, lease_shards=tuple(sorted(picked)))
-    verdict = check_lease(UNEVEN, update)
-    assert not verdict
-    assert "lease names shards" in verdict.reason
-    assert "window 3" in verdict.reason
+    assert check_lease(UNEVEN, update) == Reason(Code.LEASE_SHARDS, (3,))
 
 
 def test_check_lease_rejects_another_trainers_lease() -> None:
@@ -247,17 +243,15 @@ def test_check_lease_rejects_another_trainers_lease() -> None:
         if lease.shards != mine.shards
     )
     update = update_claiming(EVEN, mine, lease_shards=theirs.shards)
-    verdict = check_lease(EVEN, update)
-    assert not verdict
-    assert "lease names shards" in verdict.reason
+    assert check_lease(EVEN, update) == Reason(Code.LEASE_SHARDS, (3,))
 
 
 def test_check_lease_rejects_the_same_shards_with_another_sample_count() -> None:
     lease = lease_for(UNEVEN, 3, TRAINERS[1].peer_id)
     for samples in (lease.samples - 1, lease.samples + 1, lease.samples * 10):
         verdict = check_lease(UNEVEN, update_claiming(UNEVEN, lease, lease_samples=samples))
-        assert not verdict
-        assert verdict.reason == f"lease claims {samples} samples, the lease holds 25"
+        assert verdict == Reason(Code.LEASE_SAMPLES, (samples, 25))
+        assert describe(verdict) == f"lease claims {samples} samples, the lease holds 25"
 
 
 def test_check_lease_rejects_a_lease_from_another_window() -> None:
@@ -265,8 +259,8 @@ def test_check_lease_rejects_a_lease_from_another_window() -> None:
     earlier = lease_for(EVEN, 2, peer)
     assert earlier.shards != lease_for(EVEN, 3, peer).shards
     verdict = check_lease(EVEN, update_claiming(EVEN, earlier, window=3))
-    assert not verdict
-    assert "window 3" in verdict.reason
+    assert verdict == Reason(Code.LEASE_SHARDS, (3,))
+    assert "window 3" in describe(verdict)
 
 
 def test_the_lease_book_gives_the_same_leases_as_lease_for() -> None:
@@ -280,7 +274,7 @@ def test_the_lease_book_gives_the_same_leases_as_lease_for() -> None:
     bad = update_claiming(UNEVEN, lease, lease_samples=24)
     assert book.check(good) == check_lease(UNEVEN, good)
     assert book.check(bad) == check_lease(UNEVEN, bad)
-    assert not book.check(bad)
+    assert book.check(good) is None and book.check(bad) is not None
 
 
 def test_the_lease_book_remembers_recent_windows_and_forgets_old_ones(

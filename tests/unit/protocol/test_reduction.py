@@ -26,6 +26,7 @@ from p2ptrain.core.manifests import (
     ShardInfo,
     WindowSpec,
 )
+from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, QuarantineEntry, Update
 from p2ptrain.core.tensors import encode_state_dict, schema_of
 from p2ptrain.errors import LocalError
@@ -147,7 +148,8 @@ def assert_same_tensors(actual: Mapping[str, torch.Tensor], expected: Tensors) -
 
 
 def rejection_reasons(result: Reduction) -> dict[str, str]:
-    return {r.update_id: r.reason for r in result.rejected}
+    """Each rejection's reason in words."""
+    return {r.update_id: r.describe() for r in result.rejected}
 
 
 def standing(head: Head, trainer: Identity) -> QuarantineEntry | None:
@@ -283,7 +285,7 @@ def opposite_direction() -> list[Submission]:
 
 REJECTIONS: dict[str, tuple[Case, str]] = {
     "wrong lease samples": (wrong_lease_samples, r"lease claims 24 samples, the lease holds 25"),
-    "another trainer's lease": (another_trainers_lease, r"^lease names shards"),
+    "another trainer's lease": (another_trainers_lease, r"^lease names other shards"),
     "blob not matching its hash": (blob_not_matching_its_hash, r"^blob does not match"),
     "truncated blob": (truncated_blob, r"^blob does not match"),
     "garbage blob": (garbage_blob, r"^undecodable update: "),
@@ -312,7 +314,7 @@ def test_a_bad_update_is_rejected_with_a_reason_and_a_strike(case: str) -> None:
     assert standing(result.head, BAD) == QuarantineEntry(
         peer_id=BAD.peer_id,
         until_window=0,
-        reason=f"rejected: {reasons[bad[0].update_id]}"[:256],
+        reason=next(r.reason for r in result.rejected if r.update_id == bad[0].update_id),
         strikes=1,
     )
     for trainer in HONEST:
@@ -340,9 +342,10 @@ def test_a_quarantined_trainer_is_rejected_without_a_strike() -> None:
     honest trainer: BAD's update is rejected and its standing carries over unchanged; the
     honest trainer's accepted update clears its strike."""
     excluded = QuarantineEntry(
-        peer_id=BAD.peer_id, until_window=6, reason="3 rejected updates", strikes=0, offences=1
+        peer_id=BAD.peer_id, until_window=6, reason=Reason(Code.UNDECODABLE), offences=1
     )
-    struck = QuarantineEntry(peer_id=HONEST[0].peer_id, until_window=0, reason="r", strikes=2)
+    reason = Reason(Code.BLOB_MISMATCH)
+    struck = QuarantineEntry(peer_id=HONEST[0].peer_id, until_window=0, reason=reason, strikes=2)
     quarantine = tuple(sorted([excluded, struck], key=lambda e: e.peer_id))
     head = Head(
         experiment_id=MANIFEST.id,
@@ -369,7 +372,7 @@ def test_a_quarantined_trainer_is_rejected_without_a_strike() -> None:
 
 def test_a_quarantine_ends_after_its_last_window() -> None:
     excluded = QuarantineEntry(
-        peer_id=BAD.peer_id, until_window=3, reason="3 rejected updates", strikes=0, offences=1
+        peer_id=BAD.peer_id, until_window=3, reason=Reason(Code.UNDECODABLE), offences=1
     )
     head = Head(
         experiment_id=MANIFEST.id,
