@@ -20,10 +20,8 @@ import msgspec
 from p2ptrain.core import field_rules as rules
 from p2ptrain.errors import InvalidRecord
 
-__all__ = ["MAX_REASON_ARGS", "TEXTS", "Code", "Reason", "describe"]
+__all__ = ["ARGS", "ARITY", "TEXTS", "Code", "Reason", "describe"]
 
-#: A reason carries at most this many arguments.
-MAX_REASON_ARGS = 4
 #: Each text argument is a name (a codec, a parameter): at most this many characters.
 MAX_ARG_CHARS = 64
 
@@ -82,8 +80,25 @@ TEXTS: dict[Code, str] = {
     Code.COSINE_BELOW: "cosine {0:.3f} to the cohort's robust centre is below {1}",
 }
 
+#: The arguments each code takes, by name, in order.
+ARGS: dict[Code, tuple[str, ...]] = {
+    Code.QUARANTINED: ("until_window",),
+    Code.REPEATED: (),
+    Code.WRONG_CODEC: ("codec", "expected"),
+    Code.LEASE_SHARDS: ("window",),
+    Code.LEASE_SAMPLES: ("claimed", "expected"),
+    Code.BLOB_MISMATCH: (),
+    Code.UNDECODABLE: (),
+    Code.SCHEMA_MISMATCH: (),
+    Code.NOT_FLOAT32: ("parameter",),
+    Code.WRONG_SHAPE: ("parameter",),
+    Code.NOT_FINITE: ("parameter",),
+    Code.NORM_ABOVE: ("ratio", "max_ratio"),
+    Code.NORM_BELOW: ("ratio", "max_ratio"),
+    Code.COSINE_BELOW: ("cosine", "min_cosine"),
+}
 #: How many arguments each code takes.
-ARITY: dict[Code, int] = {code: text.count("{") for code, text in TEXTS.items()}
+ARITY: dict[Code, int] = {code: len(names) for code, names in ARGS.items()}
 
 
 class Reason(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -65,7 +65,7 @@ from p2ptrain.protocol.actions import (
 )
 from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
-from p2ptrain.protocol.proposers import proposer_order
+from p2ptrain.protocol.proposers import proposer_order, slot_at, slot_start
 from p2ptrain.protocol.quorum import AttestationBook
 from p2ptrain.protocol.reduction import (
     BaseState,
@@ -222,13 +222,11 @@ class Participant(ChainRole):
         return when if lapse is None else min(when, lapse)
 
     def _slot_start(self, index: int) -> float:
-        return self._window.deadline_at + index * self.manifest.window.proposal_s
+        return slot_start(self.manifest, self._window.deadline_at, index)
 
     def _slot(self, now: float) -> int:
         """The slot open at ``now`` (-1 before the deadline); slots repeat past the end."""
-        # + 1e-9 s: a time computed as a slot boundary opens that slot despite rounding
-        elapsed = now - self._window.deadline_at + 1e-9
-        return -1 if elapsed < 0 else math.floor(elapsed / self.manifest.window.proposal_s)
+        return slot_at(self.manifest, self._window.deadline_at, now)
 
     def _close_early(self, now: float, why: str = "full") -> None:
         """The window is full (or every expected trainer reported): its deadline is now."""

@@ -70,11 +70,13 @@ __all__ = [
     "EARLY_PER_SIGNER_BYTES",
     "EARLY_TOTAL_BYTES",
     "FETCH_ATTEMPTS",
+    "NAMED_ATTEMPTS",
     "ParticipantPolicy",
     "RolePolicy",
     "TrainerPolicy",
     "backoff",
     "policy_for",
+    "train_backoff",
 ]
 
 #: Tries of an update's blob or record before it is given up (the window goes on).
@@ -89,7 +91,7 @@ CATCH_UP_RETRY_S = 10.0
 #: A catch-up page asked for this long ago without an answer no longer holds others up.
 _CHAIN_FETCH_STALE_S = 60.0
 #: After this many tries a fetch asks anyone, not the peers named first.
-_NAMED_ATTEMPTS = 2
+NAMED_ATTEMPTS = 2
 #: Bytes of early updates and proposals kept per signer and in all.
 EARLY_PER_SIGNER_BYTES = 1 << 20
 EARLY_TOTAL_BYTES = 16 << 20
@@ -100,6 +102,11 @@ TRAIN_RETRY_MAX_S = 30.0
 def backoff(attempt: int) -> float:
     """Seconds before try ``attempt + 1`` of a fetch that failed in transit."""
     return min(5.0, 0.5 * 2.0**attempt)
+
+
+def train_backoff(failures_in_a_row: int) -> float:
+    """Seconds before training a window again after it raised this many times in a row."""
+    return min(TRAIN_RETRY_MAX_S, 2.0**failures_in_a_row)
 
 
 class RolePolicy:
@@ -258,7 +265,7 @@ class RolePolicy:
         attempt = request.attempt + 1
         if (
             isinstance(request, BlobFetch | StateFetch | AggregateFetch)
-            and attempt >= _NAMED_ATTEMPTS
+            and attempt >= NAMED_ATTEMPTS
         ):
             request = replace(request, first=())
         return Fetch(replace(request, attempt=attempt), backoff(request.attempt))
@@ -288,7 +295,7 @@ class TrainerPolicy(RolePolicy):
 
     def train_failed(self, now: float, train: act.Train, failures_in_a_row: int) -> list[Effect]:
         """Training raised: offer the same window again after a back-off (2, 4, ... s)."""
-        return [TrainLater(train, min(TRAIN_RETRY_MAX_S, 2.0**failures_in_a_row))]
+        return [TrainLater(train, train_backoff(failures_in_a_row))]
 
     def train_due(self, now: float, train: act.Train) -> list[Effect]:
         """The back-off passed: train again unless a newer head came first."""

@@ -11,11 +11,12 @@ has passed; it skips ahead as soon as a proposer is caught proposing a wrong hea
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable
 
 from p2ptrain.core.manifests import ExperimentManifest
 
-__all__ = ["proposer_order", "slot_of", "slot_start"]
+__all__ = ["proposer_order", "slot_at", "slot_start"]
 
 _DOMAIN = b"p2ptrain/v1/proposer"
 
@@ -44,10 +45,15 @@ def proposer_order(
     return tuple(_rank(experiment_id, window, pool) + _rank(experiment_id, window, validators))
 
 
-def slot_start(manifest: ExperimentManifest, opened_at: float, index: int) -> float:
-    """When slot ``index`` opens for a window whose update collection opened at ``opened_at``."""
-    return opened_at + manifest.window.deadline_s + index * manifest.window.proposal_s
+def slot_start(manifest: ExperimentManifest, closed_at: float, index: int) -> float:
+    """When slot ``index`` opens for a window that closed (its deadline, or an early close)
+    at ``closed_at``."""
+    return closed_at + index * manifest.window.proposal_s
 
 
-def slot_of(order: Sequence[bytes], key: bytes) -> int | None:
-    return order.index(key) if key in order else None
+def slot_at(manifest: ExperimentManifest, closed_at: float, now: float) -> int:
+    """The slot open at ``now`` for a window that closed at ``closed_at`` (-1 before it
+    closed); slots go on past the last proposer (the order starts over)."""
+    # + 1e-9 s: a time computed as a slot boundary opens that slot despite rounding
+    elapsed = now - closed_at + 1e-9
+    return -1 if elapsed < 0 else math.floor(elapsed / manifest.window.proposal_s)

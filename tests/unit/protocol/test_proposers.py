@@ -7,7 +7,7 @@ import hashlib
 import msgspec
 
 from p2ptrain.core.manifests import WindowSpec
-from p2ptrain.protocol.proposers import proposer_order, slot_of, slot_start
+from p2ptrain.protocol.proposers import proposer_order, slot_at, slot_start
 from tests.support.builders import experiment, identity
 
 VALIDATORS = [identity(i).public_key for i in range(4)]
@@ -88,17 +88,17 @@ def test_dropping_a_validator_does_not_remove_its_fallback_slot() -> None:
     assert VALIDATORS[0] in order[len(REDUCERS) :]
 
 
-def test_slot_starts_follow_the_deadline_one_proposal_slot_apart() -> None:
-    assert slot_start(MANIFEST, 1000.0, 0) == 1060.0
-    assert slot_start(MANIFEST, 1000.0, 1) == 1075.0
-    assert slot_start(MANIFEST, 1000.0, 9) == 1000.0 + 60.0 + 9 * 15.0
+def test_slots_follow_the_close_one_proposal_slot_apart() -> None:
+    assert slot_start(MANIFEST, 1060.0, 0) == 1060.0
+    assert slot_start(MANIFEST, 1060.0, 1) == 1075.0
+    assert slot_start(MANIFEST, 1060.0, 9) == 1060.0 + 9 * 15.0
     fast = msgspec.structs.replace(MANIFEST, window=WindowSpec(deadline_s=2.5, proposal_s=0.5))
-    assert slot_start(fast, 10.0, 0) == 12.5
-    assert slot_start(fast, 10.0, 3) == 14.0
+    assert slot_start(fast, 12.5, 3) == 14.0
 
 
-def test_slot_of_is_the_position_in_the_order() -> None:
-    order = proposer_order(MANIFEST, EXPERIMENT_ID, 6, REDUCERS)
-    for index, key in enumerate(order):
-        assert slot_of(order, key) == index
-    assert slot_of(order, identity(999).public_key) is None
+def test_the_slot_at_a_time_is_minus_one_before_the_close_and_counts_on_after() -> None:
+    assert slot_at(MANIFEST, 1060.0, 1059.9) == -1
+    assert slot_at(MANIFEST, 1060.0, 1060.0) == 0
+    assert slot_at(MANIFEST, 1060.0, 1074.9) == 0
+    for index in range(40):  # a boundary computed by slot_start opens its slot
+        assert slot_at(MANIFEST, 1060.0, slot_start(MANIFEST, 1060.0, index)) == index
