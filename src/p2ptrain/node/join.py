@@ -21,8 +21,8 @@ from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, Transpo
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
 from p2ptrain.net.transfer import BlobFetcher
-from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.setup import NodeSettings, Prepared, decode_genesis, remember_manifests
+from p2ptrain.node.persist import NodeStore, decode_genesis
+from p2ptrain.node.setup import NodeSettings, Prepared, remember_manifests
 
 __all__ = ["joined"]
 

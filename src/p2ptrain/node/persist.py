@@ -34,6 +34,7 @@ from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import decode, encode
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.records import Head, MetricsReport
+from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.metrics import median
 from p2ptrain.store.atomic import write_atomically
@@ -50,6 +51,8 @@ METRICS_KIND = "metrics"
 _MAX_LINK_BYTES = 1 << 20
 #: Votes kept (by height); older ones can no longer matter.
 _KEEP_VOTES = 64
+#: The largest genesis weights a node decodes.
+_MAX_GENESIS_BYTES = 4 << 30
 
 
 class NodeStore:
@@ -229,3 +232,11 @@ def median_val_loss(store: NodeStore, head_id: str) -> tuple[float | None, int]:
     there are ((None, 0) without any): what an exporter writes in a model card."""
     losses = [report.loss for report in store.reports_for(head_id)]
     return median(losses), len(losses)
+
+
+def decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
+    """The genesis weights from their blob (a LocalError when they do not decode)."""
+    try:
+        return decode_state_dict(blob, max_bytes=_MAX_GENESIS_BYTES)
+    except ProtocolViolation as exc:
+        raise LocalError(f"the genesis weights do not decode: {exc}") from exc

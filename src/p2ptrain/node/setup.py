@@ -32,12 +32,12 @@ from p2ptrain.core.experiment_config import (
 )
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
-from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash
+from p2ptrain.core.tensors import encode_state_dict, schema_hash
 from p2ptrain.data.prepare import PreparedDataset, read_prepared
 from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.node.data_import import import_prepared
-from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.persist import NodeStore, decode_genesis
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
@@ -46,7 +46,6 @@ __all__ = [
     "ROLES",
     "NodeSettings",
     "Prepared",
-    "decode_genesis",
     "definition_data",
     "new_secret",
     "prepare",
@@ -59,7 +58,6 @@ logger = logging.getLogger(__name__)
 ROLES = ("seed", "trainer", "reducer", "validator", "viewer")
 #: How many MiB of a prepared dataset's shards a trainer keeps by default.
 DEFAULT_DATA_CACHE_MB = 4096
-_MAX_GENESIS_BYTES = 4 << 30
 _MANIFEST_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ExperimentManifest)}
 
 
@@ -388,14 +386,6 @@ def remember_manifests(
         signer=experiment.signer_id,
     )
     store.remember_experiment(experiment.record_id)
-
-
-def decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
-    """The genesis weights from their blob (a LocalError when they do not decode)."""
-    try:
-        return decode_state_dict(blob, max_bytes=_MAX_GENESIS_BYTES)
-    except ProtocolViolation as exc:
-        raise LocalError(f"the genesis weights do not decode: {exc}") from exc
 
 
 def new_secret() -> bytes:
