@@ -42,8 +42,7 @@ class ParticipantRunner(RoleRunner):
         failures: FailureBook,
         emit: Callable[[NodeEvent], None],
     ) -> None:
-        role = "validator" if machine.is_validator else "reducer"
-        super().__init__(role, machine, services, failures, emit)
+        super().__init__(machine.role.value, machine, services, failures, emit)
         #: The last waiting line logged (each is logged once, without its countdown).
         self._waiting = ""
 

@@ -1,5 +1,9 @@
 """The reducer and validator window state machines (DESIGN §4 steps 4-7).
 
+The window's phase changes only by a row of :data:`.lifecycle.TRANSITIONS`: this module
+turns inputs into the table's events (:meth:`Participant._fire`) and does the effects; a
+reducer and a validator differ by their rows, not by branches here.
+
 A participant collects the updates of the open window (those built on its canonical head),
 and after the deadline walks the proposer slots (:mod:`.proposers`):
 
@@ -65,6 +69,7 @@ from p2ptrain.protocol.actions import (
 )
 from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
+from p2ptrain.protocol.lifecycle import WALKING, Effect, Event, Phase, Role, transition
 from p2ptrain.protocol.proposers import proposer_order, slot_at, slot_start
 from p2ptrain.protocol.quorum import AttestationBook
 from p2ptrain.protocol.reduction import (
@@ -111,9 +116,10 @@ class _Window:
     proposals: dict[bytes, Signed[Proposal]] = field(default_factory=dict)
     judged: dict[bytes, Verdict] = field(default_factory=dict)
     fetching: dict[bytes, frozenset[str]] = field(default_factory=dict)
-    proposed: bool = False
-    resent_in_slot: int = -1
-    synced_in_slot: int = -1
+    #: Where the window is in its life (changed only by :data:`.lifecycle.TRANSITIONS`).
+    phase: Phase = Phase.OPEN
+    #: The last slot whose opening was taken (-1: none yet, or since a restart).
+    slot: int = -1
 
 
 class Participant(ChainRole):
@@ -145,7 +151,8 @@ class Participant(ChainRole):
         #: The trainers that reported in the window before the open one (its updates, and
         #: those that arrived late for it): who may be expected to report in the open one.
         self._reporters_before: set[bytes] = set()
-        self.is_validator = validator
+        #: A reducer and a validator differ only by their rows of the lifecycle table.
+        self.role = Role.VALIDATOR if validator else Role.REDUCER
         self.reducers = tuple(reducers)
         self.leases = LeaseBook(manifest)
         self.book = AttestationBook(manifest, self.experiment_id)
@@ -160,11 +167,13 @@ class Participant(ChainRole):
         self.judged_count = 0
         self.wrong_count = 0
         self.reductions = 0
-        self._window = self._open(self.base, now)
+        self._open(self.base, now)
 
     # --- window lifecycle ----------------------------------------------------------------
 
-    def _open(self, base: BaseState, now: float) -> _Window:
+    def _open(self, base: BaseState, now: float) -> None:
+        """Open the window built on ``base`` (in phase OPEN; attested at once if we voted at
+        its height before a restart)."""
         closing: _Window | None = getattr(self, "_window", None)
         self._reporters_before = set()
         if closing is not None and closing.base.window + 1 == base.window:
@@ -177,23 +186,65 @@ class Participant(ChainRole):
         self._by_head.clear()
         self.book.forget_through(base.head.height)
         deadline = now + self.manifest.window.deadline_s
-        return _Window(
+        self._window = _Window(
             base=base,
             opened_at=now,
             deadline_at=deadline,
             order=order,
             bases=self.window_bases(),
         )
+        if base.window in self.votes:
+            self._fire(now, Event.VOTED, [])
 
     def restart(self, now: float) -> None:
         """After a crash: the chain, weights and votes persisted; the open window's updates
         and proposals were in memory and are gone, so the window restarts at ``now``."""
-        self._window = self._open(self.base, now)
+        self._open(self.base, now)
 
     def on_base(self, now: float) -> list[Action]:
-        self._window = self._open(self.base, now)
+        actions: list[Action] = []
+        self._fire(now, Event.ADOPTED, actions)
         self.last_reason = f"window {self.base.window} open on {self.base.head_id[:12]}"
-        return []
+        return actions
+
+    def _fire(
+        self, now: float, event: Event, actions: list[Action], head_id: str | None = None
+    ) -> tuple[Effect, ...]:
+        """Take ``event``'s row of the lifecycle table: the window's new phase, then the
+        effects done here; the walk's effects (WALK, PROPOSE, SKIP, STOP) are returned for
+        the caller to follow."""
+        w = self._window
+        step = transition(self.role, w.phase, event)
+        w.phase = step.phase
+        height = w.base.window
+        for effect in step.effects:
+            if effect in (Effect.JOIN, Effect.JOIN_UNPROPOSED):
+                if effect is Effect.JOIN or not w.proposals:
+                    w.before_deadline = len(w.arrival)
+            elif effect is Effect.CLOSE:
+                if now < w.deadline_at:
+                    w.deadline_at = now
+                    why = "full" if event is Event.FULL else "every expected trainer reported"
+                    self.last_reason = f"window {height} {why}: closed early"
+            elif effect is Effect.RESTART:
+                # the first update of a window whose deadline passed empty (what was sent was
+                # lost, or the window opened here long before elsewhere): the others get a
+                # full deadline too, or each proposer would propose the little that reached it
+                w.deadline_at = now + self.manifest.window.deadline_s
+                w.slot = -1
+                self.last_reason = f"window {height}: first update after the deadline"
+            elif effect is Effect.SYNC:
+                actions.append(SyncWindow(height))
+            elif effect is Effect.RESEND:
+                actions.append(
+                    SendAttestation(self._attestation(height, self.votes[height]), again=True)
+                )
+            elif effect is Effect.VOTE:
+                assert head_id is not None
+                actions += self._vote(now, height, head_id)
+            elif effect is Effect.NEXT:
+                self._open(self.base, now)
+        return step.effects
 
     def _known_state(self, head_id: str) -> BaseState | None:
         reduction = self._by_head.get(head_id)
@@ -211,6 +262,11 @@ class Participant(ChainRole):
     def window(self) -> int:
         return self._window.base.window
 
+    @property
+    def phase(self) -> Phase:
+        """Where the open window is in its life (:mod:`.lifecycle`)."""
+        return self._window.phase
+
     def next_wakeup(self, now: float) -> float:
         """The next time after ``now`` that :meth:`tick` has something to do: the deadline
         (slot 0 opens), then each following slot boundary."""
@@ -227,13 +283,6 @@ class Participant(ChainRole):
     def _slot(self, now: float) -> int:
         """The slot open at ``now`` (-1 before the deadline); slots repeat past the end."""
         return slot_at(self.manifest, self._window.deadline_at, now)
-
-    def _close_early(self, now: float, why: str = "full") -> None:
-        """The window is full (or every expected trainer reported): its deadline is now."""
-        w = self._window
-        if now < w.deadline_at:
-            w.deadline_at = now
-            self.last_reason = f"window {w.base.window} {why}: closed early"
 
     # --- expected trainers ---------------------------------------------------------------
 
@@ -285,16 +334,12 @@ class Participant(ChainRole):
         after = [t for t in lapses if t > now]
         return min(after) + 1e-3 if after else None
 
-    def _check_expected(self, now: float) -> None:
-        if self._all_reported(now):
-            self._close_early(now, "every expected trainer reported")
-
     def waiting_for(self, now: float, *, countdown: bool = True) -> str:
         """What the open window waits for, in words (the status, dashboard and log;
         ``countdown=False`` leaves the time to the deadline out, for logging changes)."""
         w = self._window
         height = w.base.window
-        if height in self.votes or (not self.is_validator and w.proposed):
+        if w.phase in (Phase.PROPOSED, Phase.ATTESTED):
             return self.last_reason
         m = self.manifest.window
         if now < w.deadline_at:
@@ -364,33 +409,24 @@ class Participant(ChainRole):
             self.late_update(now, signed)
             return []  # stale or replayed: belongs in no cohort, nothing to count
         self.heard_from(signed.record.trainer, now)
-        if not w.arrival and now >= w.deadline_at and not w.proposals:
-            # the first update of a window whose deadline passed empty (what was sent was
-            # lost, or the window opened here long before elsewhere): the others get a full
-            # deadline too, or each proposer would propose the little that reached it
-            w.deadline_at = now + self.manifest.window.deadline_s
-            w.resent_in_slot = w.synced_in_slot = -1
-            self.last_reason = f"window {w.base.window}: first update after the deadline"
+        self._deadline(now)
         w.updates[update_id] = Submission(signed.record, update_id, blob)
         w.arrival.append(update_id)
-        if now < w.deadline_at or not w.proposals:
-            # after the deadline an update still joins the cohort while nobody has proposed
-            # (a window that had too few updates in time is not stuck for good)
-            w.before_deadline = len(w.arrival)
+        # after the deadline an update still joins the cohort while nobody has proposed (a
+        # window that had too few updates in time is not stuck for good)
         actions: list[Action] = []
-        if now < w.deadline_at and len(w.arrival) >= self.manifest.window.max_updates:
-            self._close_early(now)
-            actions += self._advance(now)
+        walk = Effect.WALK in self._fire(now, Event.UPDATE, actions)
+        if len(w.arrival) >= self.manifest.window.max_updates:
+            walk |= Effect.WALK in self._fire(now, Event.FULL, actions)
         elif self._all_reported(now):
-            self._close_early(now, "every expected trainer reported")
-            actions += self._advance(now)
+            walk |= Effect.WALK in self._fire(now, Event.REPORTED, actions)
         for proposer, missing in list(w.fetching.items()):
             if update_id in missing:
                 w.fetching[proposer] = missing - {update_id}
                 if not w.fetching[proposer]:
                     del w.fetching[proposer]
-                    actions += self._advance(now)
-        return actions
+                    walk |= Effect.WALK in self._fire(now, Event.SETTLED, actions)
+        return actions + self._advance(now) if walk else actions
 
     def receive_proposal(self, now: float, signed: Signed[Proposal]) -> list[Action]:
         w = self._window
@@ -403,10 +439,13 @@ class Participant(ChainRole):
             if w.proposals[proposal.reducer].record_id != signed.record_id:
                 return [Reported(peer_id_of(proposal.reducer), "two proposals in one window")]
             return []
+        self._deadline(now)
         w.proposals[proposal.reducer] = signed
+        actions: list[Action] = []
+        walk = Effect.WALK in self._fire(now, Event.PROPOSAL, actions)
         if len(proposal.accepted) + len(proposal.rejected) >= self.manifest.window.max_updates:
-            self._close_early(now)
-        return self._advance(now)
+            walk |= Effect.WALK in self._fire(now, Event.FULL, actions)
+        return actions + self._advance(now, walk=walk)
 
     def receive_attestation(self, now: float, signed: Signed[Attestation]) -> list[Action]:
         counted = self.book.add(signed)
@@ -438,7 +477,11 @@ class Participant(ChainRole):
             del w.fetching[proposer]
             w.judged[proposer] = Verdict(False, f"named update {update_id[:12]} nobody delivered")
             self.last_reason = f"proposal of {peer_id_of(proposer)[:12]}: cannot be checked"
-        return self._advance(now) if stuck else []
+        if not stuck:
+            return []
+        actions: list[Action] = []
+        walk = Effect.WALK in self._fire(now, Event.SETTLED, actions)
+        return actions + self._advance(now, walk=walk)
 
     def holds_update(self, update_id: str) -> bool:
         """Whether the open window took update ``update_id`` (it may be named and used)."""
@@ -463,8 +506,20 @@ class Participant(ChainRole):
         return self._by_head.get(head_id)
 
     def tick(self, now: float) -> list[Action]:
-        self._check_expected(now)
-        return self._advance(now)
+        self._deadline(now)
+        actions: list[Action] = []
+        walk = False
+        if self._all_reported(now):
+            walk |= Effect.WALK in self._fire(now, Event.REPORTED, actions)
+        walk |= Effect.WALK in self._fire(now, Event.TICK, actions)
+        return actions + self._advance(now, walk=walk)
+
+    def _deadline(self, now: float) -> None:
+        """An open window whose deadline passed closes (or expires, holding nothing)."""
+        w = self._window
+        if w.phase is Phase.OPEN and self._slot(now) >= 0:
+            empty = not w.arrival and not w.proposals
+            self._fire(now, Event.EXPIRY if empty else Event.DEADLINE, [])
 
     # --- deciding ------------------------------------------------------------------------
 
@@ -485,53 +540,55 @@ class Participant(ChainRole):
                 self._by_head[reduction.head_id] = reduction
         return reduction
 
-    def _advance(self, now: float) -> list[Action]:
+    def _advance(self, now: float, *, walk: bool = True) -> list[Action]:
+        """The clock's events (the close, a sync slot, slots past the order), then the walk
+        if an event asked for it."""
+        self._deadline(now)
         w = self._window
-        slot = self._slot(now)
-        if slot < 0 or not w.order:
-            return []
         actions: list[Action] = []
-        height = w.base.window
-        voted = self.votes.get(height)
-        waiting = voted is None and (self.is_validator or not w.proposed)
-        if (
-            waiting
-            and slot >= 1
-            and slot != w.synced_in_slot
-            and (slot - 1) % SYNC_EVERY_SLOTS == 0
-        ):
-            w.synced_in_slot = slot
-            actions.append(SyncWindow(height))
-        if voted is not None:
-            if self.is_validator and slot >= len(w.order) and w.resent_in_slot != slot:
-                w.resent_in_slot = slot
-                actions.append(SendAttestation(self._attestation(height, voted), again=True))
-            return actions
+        slot = self._slot(now)
+        if slot > w.slot and w.order:
+            w.slot = slot
+            if slot >= 1 and (slot - 1) % SYNC_EVERY_SLOTS == 0:
+                self._fire(now, Event.SYNC_DUE, actions)
+            if slot >= len(w.order):
+                self._fire(now, Event.ORDER_OVER, actions)
+        if walk and slot >= 0 and w.order:
+            self._walk(now, slot, actions)
+        return actions
+
+    def _walk(self, now: float, slot: int, actions: list[Action]) -> None:
+        """Each proposer whose slot opened, in slot order, until a row says STOP (a wrong
+        proposal opens the next slot at once: SKIP)."""
+        w = self._window
         limit = min(slot, len(w.order) - 1)  # the last proposer whose slot has opened
         index = -1
-        while index < limit:
+        while index < limit and w.phase in WALKING:
             index += 1
             proposer = w.order[index]
-            if proposer == self.key:
-                if not w.proposed:
-                    actions += self._propose_own(now)
-                if not self.is_validator or height in self.votes:
-                    break
-                continue
-            verdict = self._judge(proposer, actions)
-            if verdict is None:
-                if proposer in w.fetching:
-                    # its updates are on their way: judge it before proposing or judging a
-                    # later one (skipping ahead splits the validators' votes for good)
-                    break
-                continue
-            if not verdict.ok:
-                limit = min(max(limit, index + 1), len(w.order) - 1)  # skip ahead
-                continue
-            if self.is_validator:
-                actions += self._vote(now, height, w.proposals[proposer].record.head.id)
-            break
-        return actions
+            event, head_id = self._look_at(proposer, actions)
+            effects = self._fire(now, event, actions, head_id)
+            if Effect.PROPOSE in effects:
+                event, head_id = self._propose_own(actions)
+                effects = self._fire(now, event, actions, head_id)
+            if Effect.STOP in effects:
+                break
+            if Effect.SKIP in effects:
+                limit = min(max(limit, index + 1), len(w.order) - 1)
+
+    def _look_at(self, proposer: bytes, actions: list[Action]) -> tuple[Event, str | None]:
+        """What the walk finds at ``proposer``'s slot (with the head of a valid proposal)."""
+        w = self._window
+        if proposer == self.key:
+            return Event.OWN_SLOT, None
+        verdict = self._judge(proposer, actions)
+        if verdict is None:
+            # its updates on their way: judge it before proposing or judging a later one
+            # (skipping ahead splits the validators' votes for good)
+            return (Event.AWAITING if proposer in w.fetching else Event.ABSENT), None
+        if not verdict.ok:
+            return Event.WRONG, None
+        return Event.VALID, w.proposals[proposer].record.head.id
 
     def _judge(self, proposer: bytes, actions: list[Action]) -> Verdict | None:
         """The verdict on ``proposer``'s proposal, None while absent or fetching."""
@@ -577,15 +634,14 @@ class Participant(ChainRole):
             return Verdict(False, "head (weights or quarantine) differs from our recomputation")
         return Verdict(True, f"recomputed the same head {reduction.head_id[:12]}")
 
-    def _propose_own(self, now: float) -> list[Action]:
+    def _propose_own(self, actions: list[Action]) -> tuple[Event, str | None]:
         w = self._window
         reduction = self._reduce(self._cohort())
         if reduction.head is None or reduction.aggregate_blob is None:
             # not proposed: tried again as late updates arrive (the reduction of an
             # unchanged cohort is cached)
             self.last_reason = f"no proposal: {reduction.reason}{_refusals(reduction)}"
-            return []
-        w.proposed = True
+            return Event.NO_HEAD, None
         proposal = Proposal(
             experiment_id=self.experiment_id,
             window=w.base.window,
@@ -600,11 +656,8 @@ class Participant(ChainRole):
         w.proposals[self.key] = signed
         w.judged[self.key] = Verdict(True, "our own reduction")
         self.last_reason = f"proposed {reduction.head_id} ({reduction.reason})"
-        actions: list[Action] = [SendProposal(signed)]
-        if self.is_validator:
-            assert reduction.head_id is not None
-            actions += self._vote(now, w.base.window, reduction.head_id)
-        return actions
+        actions.append(SendProposal(signed))
+        return Event.PROPOSED, reduction.head_id
 
     def _attestation(self, height: int, head_id: str) -> Signed[Attestation]:
         record = Attestation(

@@ -1,5 +1,6 @@
 """The tables of ``docs/protocol.md`` that the code defines, generated from it: the
-protocol versions, the rejection reason codes and the retry and back-off schedule.
+protocol versions, the rejection reason codes, the retry and back-off schedule and the
+window's lifecycle (:mod:`.lifecycle`).
 
 Each table sits in the document between ``<!-- generated: NAME -->`` and
 ``<!-- end generated: NAME -->``; :func:`update_doc` rewrites them, and a test fails when
@@ -16,6 +17,16 @@ from pathlib import Path
 
 from p2ptrain.core.manifests import PROTOCOL_VERSION, VERSION_CHANGES
 from p2ptrain.core.reasons import ARGS, TEXTS, Code
+from p2ptrain.protocol.lifecycle import (
+    EFFECTS,
+    EVENTS,
+    PHASES,
+    TRANSITIONS,
+    Event,
+    Phase,
+    Role,
+    Transition,
+)
 from p2ptrain.protocol.policy import (
     AGGREGATE_ATTEMPTS,
     CATCH_UP_RETRY_S,
@@ -80,9 +91,51 @@ def _retries() -> str:
     return "\n".join(rows)
 
 
+def _step(phase: Phase, step: Transition | None) -> str:
+    if step is None:
+        return "—"
+    to = "" if step.phase is phase else f"→ **{step.phase}**"
+    effects = ", ".join(f"`{e}`" for e in step.effects)
+    return " ".join(part for part in (to, effects) if part) or "(stays)"
+
+
+def _lifecycle() -> str:
+    roles = list(Role)
+    rows = ["| phase | means |", "|---|---|"]
+    rows += [f"| **{phase}** | {what} |" for phase, what in PHASES.items()]
+    rows += ["", "| event | is |", "|---|---|"]
+    rows += [f"| `{event}` | {what} |" for event, what in EVENTS.items()]
+    rows += ["", "| effect | does |", "|---|---|"]
+    rows += [f"| `{effect}` | {what} |" for effect, what in EFFECTS.items()]
+    rows += [
+        "",
+        "| phase | event | " + " | ".join(str(r) for r in roles) + " |",
+        "|---|---|" + "---|" * len(roles),
+    ]
+    count = 0
+    for phase in Phase:
+        for event in Event:
+            steps = [TRANSITIONS[role].get((phase, event)) for role in roles]
+            if all(step is None for step in steps):
+                continue
+            count += 1
+            cells = " | ".join(_step(phase, step) for step in steps)
+            rows.append(f"| **{phase}** | `{event}` | {cells} |")
+    rows.append(
+        f"\n{count} rows; a pair not listed (—) changes nothing. Source: "
+        "`protocol/lifecycle.py` (`TRANSITIONS`)."
+    )
+    return "\n".join(rows)
+
+
 def tables() -> dict[str, str]:
     """Each generated table of docs/protocol.md, by name."""
-    return {"versions": _versions(), "reasons": _reasons(), "retries": _retries()}
+    return {
+        "versions": _versions(),
+        "reasons": _reasons(),
+        "retries": _retries(),
+        "lifecycle": _lifecycle(),
+    }
 
 
 def update_doc(text: str) -> str:
