@@ -46,7 +46,6 @@ certificate, sent to every peer. Decisions carry reasons; :meth:`statistics` sum
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +69,7 @@ from p2ptrain.protocol.actions import (
 from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.lifecycle import WALKING, Effect, Event, Phase, Role, transition
+from p2ptrain.protocol.presence import Presence
 from p2ptrain.protocol.proposers import proposer_order, slot_at, slot_start
 from p2ptrain.protocol.quorum import AttestationBook
 from p2ptrain.protocol.reduction import (
@@ -84,9 +84,6 @@ __all__ = ["SYNC_EVERY_SLOTS", "Participant", "ParticipantStatistics"]
 
 #: A participant still waiting asks its peers what the window holds every this many slots.
 SYNC_EVERY_SLOTS = 2
-#: An update for one of this many windows before the open one (come after its window
-#: closed) makes its trainer expected in the open window (docs/protocol.md: early close).
-LATE_WINDOWS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,15 +139,8 @@ class Participant(ChainRole):
         if self.follower.state_source is not None:
             raise ValueError("a node holds one participant (reducer, validator or both)")
         self.follower.state_source = self._known_state
-        if presence_timeout_s is not None and presence_timeout_s <= 0:
-            raise ValueError(f"presence_timeout_s must be positive, got {presence_timeout_s}")
-        self.presence_timeout_s = presence_timeout_s
-        #: trainer key -> when it was last heard from (bounded: the node reports the trainers
-        #: of its peer book, and entries older than the timeout are dropped)
-        self._heard: dict[bytes, float] = {}
-        #: The trainers that reported in the window before the open one (its updates, and
-        #: those that arrived late for it): who may be expected to report in the open one.
-        self._reporters_before: set[bytes] = set()
+        #: Who is expected to report in the open window (the early close).
+        self.presence = Presence(presence_timeout_s, manifest.window.max_updates)
         #: A reducer and a validator differ only by their rows of the lifecycle table.
         self.role = Role.VALIDATOR if validator else Role.REDUCER
         self.reducers = tuple(reducers)
@@ -175,9 +165,10 @@ class Participant(ChainRole):
         """Open the window built on ``base`` (in phase OPEN; attested at once if we voted at
         its height before a restart)."""
         closing: _Window | None = getattr(self, "_window", None)
-        self._reporters_before = set()
-        if closing is not None and closing.base.window + 1 == base.window:
-            self._reporters_before = {s.update.trainer for s in closing.updates.values()}
+        follows = closing is not None and closing.base.window + 1 == base.window
+        self.presence.new_window(
+            s.update.trainer for s in (closing.updates.values() if closing and follows else ())
+        )
         order = proposer_order(
             self.manifest, self.experiment_id, base.window, self.reducers, self.dropped
         )
@@ -286,22 +277,13 @@ class Participant(ChainRole):
 
     # --- expected trainers ---------------------------------------------------------------
 
+    @property
+    def presence_timeout_s(self) -> float | None:
+        return self.presence.timeout_s
+
     def heard_from(self, trainer: bytes, when: float) -> None:
         """The node heard from ``trainer`` at ``when`` (a record, or its presence)."""
-        if self.presence_timeout_s is None:
-            return
-        if when > self._heard.get(trainer, -math.inf):
-            self._heard[trainer] = when
-
-    def _expected(self, now: float) -> frozenset[bytes]:
-        """The trainers that reported in the window before and were heard from within the
-        presence timeout (the lapsed are forgotten)."""
-        timeout = self.presence_timeout_s
-        if timeout is None:
-            return frozenset()
-        for key in [k for k, t in self._heard.items() if now - t > timeout]:
-            del self._heard[key]
-        return frozenset(k for k in self._heard if k in self._reporters_before)
+        self.presence.heard_from(trainer, when)
 
     def _reported(self) -> frozenset[bytes]:
         return frozenset(s.update.trainer for s in self._window.updates.values())
@@ -310,29 +292,20 @@ class Participant(ChainRole):
         """Whether the window may close early: ``min_updates`` arrived and every expected
         trainer reported (never without presence, never after the deadline)."""
         w = self._window
-        if self.presence_timeout_s is None or now >= w.deadline_at:
+        if now >= w.deadline_at:
             return False
-        if not self._reporters_before or len(w.arrival) < self.manifest.window.min_updates:
-            return False
-        return self._expected(now) <= self._reported()
+        arrived = self.presence.counts(len(w.arrival), self.manifest.window.min_updates)
+        return arrived and self.presence.all_reported(now, self._reported())
 
     def _next_lapse(self, now: float) -> float | None:
         """When the next expected trainer that has not reported stops being expected (the
         window may then close early), if that can matter before the deadline."""
-        timeout = self.presence_timeout_s
         w = self._window
-        if timeout is None or now >= w.deadline_at:
+        if now >= w.deadline_at:
             return None
-        if not self._reporters_before or len(w.arrival) < self.manifest.window.min_updates:
+        if not self.presence.counts(len(w.arrival), self.manifest.window.min_updates):
             return None
-        reported = self._reported()
-        lapses = [
-            t + timeout
-            for k, t in self._heard.items()
-            if k not in reported and k in self._reporters_before
-        ]
-        after = [t for t in lapses if t > now]
-        return min(after) + 1e-3 if after else None
+        return self.presence.next_lapse(now, self._reported())
 
     def waiting_for(self, now: float, *, countdown: bool = True) -> str:
         """What the open window waits for, in words (the status, dashboard and log;
@@ -353,8 +326,8 @@ class Participant(ChainRole):
                     f"{m.max_updates}), {left}"
                 )
             reported = self._reported()
-            expected = self._expected(now)
-            if not self._reporters_before:  # nobody known from the window before
+            expected = self.presence.expected(now)
+            if not self.presence.reporters_before:  # nobody known from the window before
                 return (
                     f"window {height}: {count} updates (min {m.min_updates}, max "
                     f"{m.max_updates}), {left}"
@@ -387,16 +360,10 @@ class Participant(ChainRole):
     # --- inputs --------------------------------------------------------------------------
 
     def late_update(self, now: float, signed: Signed[Update]) -> None:
-        """An update (its envelope verified) for a window before the open one. One for the
-        last :data:`LATE_WINDOWS` windows came after its window closed: its trainer trains
-        with us, but slower than this network's windows (it just joined, or came back), and
-        is expected from now on, or windows that close early would never wait for it."""
+        """An update (its envelope verified) for a window before the open one: its trainer
+        may be expected from now on (:meth:`.Presence.late`)."""
         behind = self._window.base.window - signed.record.window
-        if not 1 <= behind <= LATE_WINDOWS:
-            return
-        if len(self._reporters_before) < self.manifest.window.max_updates:
-            self._reporters_before.add(signed.record.trainer)
-            self.heard_from(signed.record.trainer, now)
+        self.presence.late(now, signed.record.trainer, behind)
 
     def receive_update(self, now: float, signed: Signed[Update], blob: bytes) -> list[Action]:
         """An update (its envelope verified) with its blob."""

@@ -51,7 +51,7 @@ def _validator(
     for trainer in TRAINERS:
         machine.heard_from(trainer.public_key, 0.0)
     # as if all three reported in the window before (here: the first has none)
-    machine._reporters_before = {t.public_key for t in TRAINERS}
+    machine.presence.reporters_before = {t.public_key for t in TRAINERS}
     return machine
 
 
@@ -95,7 +95,7 @@ def test_the_last_expected_update_closes_the_window_at_once() -> None:
     _deliver(machine, 1, 2.0)
     assert _proposed(_deliver(machine, 2, 3.0))  # also full, but not only: see below
     machine = _validator()
-    machine._heard.pop(TRAINERS[2].public_key)  # only two trainers were ever heard from
+    machine.presence.heard.pop(TRAINERS[2].public_key)  # only two trainers were ever heard from
     _deliver(machine, 0, 1.0)
     assert _proposed(_deliver(machine, 1, 2.0))
 
@@ -110,7 +110,7 @@ def test_a_trainer_nobody_saw_report_before_is_not_waited_for() -> None:
     assert line.endswith(f"waiting for trainers {TRAINERS[2].peer_id[:12]}"), line
     assert _proposed(machine.tick(TIMEOUT_S + 0.1))  # the silent third lapsed; not the stranger
     nobody_before = _validator()
-    nobody_before._reporters_before = set()  # the first window, or just restarted
+    nobody_before.presence.reporters_before = set()  # the first window, or just restarted
     _deliver(nobody_before, 0, 1.0)
     _deliver(nobody_before, 1, 2.0)
     assert not _proposed(nobody_before.tick(50.0))
@@ -119,7 +119,7 @@ def test_a_trainer_nobody_saw_report_before_is_not_waited_for() -> None:
 def test_no_early_close_below_min_updates_or_without_presence() -> None:
     lone = _validator()
     for trainer in TRAINERS[1:]:
-        lone._heard.pop(trainer.public_key)
+        lone.presence.heard.pop(trainer.public_key)
     _deliver(lone, 0, 1.0)  # the only expected trainer reported, but min_updates is 2
     assert not _proposed(lone.tick(10.0))
     assert lone.waiting_for(10.0).startswith("window 1: 1 of 1 expected updates (min 2)")
@@ -148,8 +148,8 @@ def test_after_the_deadline_it_names_the_proposal_it_waits_for() -> None:
 def test_a_trainer_whose_update_came_after_its_window_closed_is_expected_next() -> None:
     machine = _validator()
     newcomer = TRAINERS[2]
-    machine._reporters_before = {t.public_key for t in TRAINERS[:2]}  # it just joined
-    machine._heard.pop(newcomer.public_key)
+    machine.presence.reporters_before = {t.public_key for t in TRAINERS[:2]}  # it just joined
+    machine.presence.heard.pop(newcomer.public_key)
     _deliver(machine, 0, 1.0)
     assert _proposed(_deliver(machine, 1, 2.0))  # every expected trainer reported
     assert machine.window == 2
