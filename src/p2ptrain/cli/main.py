@@ -7,14 +7,14 @@ node's runtime, the simulator and the benchmarks are imported by the handlers th
 so the commands that only read files or ask a node (``status``, ``identity``,
 ``dashboard``, ``experiment show``, ``data show``) import none of them
 (``tests/unit/cli/test_no_torch.py``). The handlers that aggregate install the C kernel
-themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`).
+themselves (:func:`p2ptrain.store.kernel_build.ensure_kernel`). Where the log goes (stderr;
+a node command's ``--log-file``) is set up by :mod:`p2ptrain.cli.logs` before a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 import traceback
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from p2ptrain import __version__
 from p2ptrain.cli.commands import COMMANDS
+from p2ptrain.cli.logs import configure_logging
 from p2ptrain.errors import LocalError, P2PTrainError
 
 DEFAULT_DATA_DIR = "p2ptrain-data"
@@ -72,15 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else getattr(args, "log_level", logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
+        configure_logging(args)  # stderr; and a node command's --log-file
         code: int = handler(args)
     except P2PTrainError as exc:
         _report(exc, verbose=args.verbose)

@@ -6,7 +6,8 @@ given (one identity, data directory, server and store); ``seed``, ``train``, ``v
 settings from an optional TOML file (``--config``; keys are the flag names with ``_`` for
 ``-``, e.g. ``bootstrap = ["http://seed:7700"]``, and ``role = ["trainer", "validator"]``)
 and from flags, which win. A node prints one line per certified window (``--json``: one JSON
-object per event on stdout, for scripts and the demo) and logs problems on stderr.
+object per event on stdout, for scripts and the demo) and logs problems on stderr, and with
+``--log-file`` what it did to a rotated file too (:mod:`p2ptrain.cli.logs`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2ptrain.cli.commands import add_command, summary
+from p2ptrain.cli.logs import CONFIG_KEYS as LOG_CONFIG_KEYS
+from p2ptrain.cli.logs import add_log_arguments
 from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.core.roles import ROLES
 from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
@@ -65,6 +68,7 @@ _CONFIG_KEYS = {
     "advertise",
     "relay",
     "secret_file",
+    "metrics_listen",
     "windows",
     "until_height",
     "close_early",
@@ -76,6 +80,7 @@ _CONFIG_KEYS = {
     "evaluate",
     "data",
     "data_cache_mb",
+    *LOG_CONFIG_KEYS,
 }
 #: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
 _EVALUATING = (None, "validator", "viewer")
@@ -277,7 +282,9 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
             "publish a signed metrics report (needs the experiment's workload)",
         )
     parser.add_argument("--json", action="store_true", help="print events as JSON lines")
-    parser.set_defaults(data_dir_default=data_dir)
+    add_log_arguments(parser)
+    # read_config: the log is set up (cli.logs) before the node reads its settings
+    parser.set_defaults(data_dir_default=data_dir, read_config=_config)
 
 
 def _config(path: str | None) -> dict[str, Any]:
