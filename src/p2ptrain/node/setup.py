@@ -223,7 +223,7 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
             raise
         raise LocalError(
             f"{store.datadir.path} holds a network of another protocol version: {exc}. Its "
-            "chain and records cannot be carried over; start this node with a new --data-dir "
+            "chain and records cannot be carried over; start this node with a new --dir "
             "(and a new network and experiment), or keep this one with that release"
         ) from exc
     genesis = decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))

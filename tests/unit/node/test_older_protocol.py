@@ -63,4 +63,4 @@ def test_a_data_directory_of_protocol_4_is_refused_with_what_to_do(tmp_path: Pat
     print(message)
     assert str(tmp_path) in message
     assert f"is {OLD}; this p2ptrain speaks protocol {PROTOCOL_VERSION}" in message
-    assert "new --data-dir" in message
+    assert "new --dir" in message
