@@ -26,7 +26,7 @@ PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
 # two environments of `make test` install side by side. Without flock, one after the other.
 ONE_BUILD := $(shell command -v flock >/dev/null 2>&1 && echo "flock build/.install.lock")
 
-.PHONY: test check lint imports types unit anchors-or-skip demo bench bench-anchors clean
+.PHONY: test check lint imports types unit anchors-or-skip demo bench bench-anchors dist clean
 
 # What the package and the demo need: a C compiler for the aggregation kernel, torch first
 # (TORCH_SPEC), the package with its `bench` and `hf` extras, and Shakespeare's plays.
@@ -104,6 +104,13 @@ check: lint imports types
 	@$(PY) -m compileall -q src tests/support
 	$(PYTEST) tests/unit tests/sim
 
+# The sdist and, built from it, the platform wheel with the aggregation kernel compiled in
+# (setup.py), into dist/. Installing the wheel needs no C compiler.
+dist: $(DEV_STAMP)
+	@mkdir -p build
+	$(ONE_BUILD) $(PY) -m build --outdir dist .
+	@ls -1 dist
+
 demo: $(STAMP)
 	$(VENV)/bin/p2ptrain demo $(DEMO_ARGS)
 
@@ -130,4 +137,4 @@ $(ANCHORS_STAMP): pyproject.toml
 	@touch $(ANCHORS_STAMP)
 
 clean:
-	rm -rf $(VENV) $(ANCHORS_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache .grimp_cache
+	rm -rf $(VENV) $(ANCHORS_VENV) dist src/p2ptrain/aggregate/native/_kernel.so .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache .grimp_cache

@@ -135,6 +135,15 @@ def test_metrics_agree_with_status_and_bytes_never_decrease(net: Net) -> None:
         assert samples["p2ptrain_height", ()] == status["height"]
         assert samples["p2ptrain_windows_certified_total", ()] == status["windows_certified"]
         assert status["windows_certified"] == WINDOWS
+        # a validator names the aggregation backend it used (this checkout's editable
+        # install compiled the kernel into the package where it had a compiler)
+        backend = status["aggregation_backend"]
+        if name == "validator-1":
+            assert backend is not None and backend.startswith(("native (", "torch ("))
+        if backend is not None:
+            # an info family: the text exposition renders it as a gauge of 1
+            assert types["p2ptrain_aggregation_info"] == "gauge"
+            assert samples["p2ptrain_aggregation_info", (("backend", backend),)] == 1
         assert samples["p2ptrain_updates_accepted_total", ()] == status["updates_accepted"]
         rejected = {
             dict(labels)["reason"]: value

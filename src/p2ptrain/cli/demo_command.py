@@ -352,6 +352,14 @@ def _bytes_per_trainer(workdir: Path, trainers: list[str]) -> int | None:
     return sum(_mean_bytes(statuses))
 
 
+def _backends(workdir: Path, names: list[str]) -> str | None:
+    """The aggregation backends the nodes that aggregated used ("native (packaged)", ...)."""
+    from p2ptrain.observe.status import read_status
+
+    used = {read_status(workdir / name).aggregation_backend for name in names}
+    return ", ".join(sorted(b for b in used if b is not None)) or None
+
+
 def _mean_bytes(statuses: list[NodeStatus]) -> tuple[int, int]:
     """The trainers' mean bytes sent and received (each rounded down: the summary's and
     the loss curve's figures are one sum of them)."""
@@ -465,6 +473,7 @@ def _summarise(
         "bytes_per_trainer_received": received,
         "bytes_per_trainer": sent + received,
         "bytes_measured": "tcp" if all(s.wire_measured for s in statuses) else "node counters",
+        "aggregation_backend": _backends(network.workdir, list(network.nodes)),
         "ddp_bytes_per_trainer": 2 * ddp_each_way,
         "ddp_bytes_formula": "ring all-reduce of fp32 gradients: 2(N-1)/N x 4 bytes x "
         "parameters per step, sent and as much received",

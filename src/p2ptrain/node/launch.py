@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from p2ptrain.aggregate import native
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo
 from p2ptrain.data.pipelines import ShardedData
 from p2ptrain.data.prepare import read_prepared
@@ -61,7 +62,10 @@ async def serve(
     """Prepare and run a node until it stops; return its final status. A trainer's workload
     first runs one batch forward and backward (``dry_run``; the Trainer API has done it
     already, before joining)."""
-    ensure_kernel()  # the C aggregation kernel, built on first use
+    ensure_kernel()  # the C aggregation kernel: the package's, or built on first use
+    if {"reducer", "validator"} & set(settings.roles):
+        # loaded now (built, at worst), off the loop: the status names the backend at once
+        await asyncio.to_thread(native.available)
     with DataDir(settings.data_dir, exclusive=True) as datadir:
         store = NodeStore(datadir)
         prepared = await prepare(settings, store)

@@ -39,6 +39,7 @@ from p2ptrain.observe.status import (
 from p2ptrain.observe.telemetry import node_families
 from p2ptrain.observe.window_history import PeerView
 from p2ptrain.store.atomic import overwrite_in_place, write_atomically
+from p2ptrain.store.kernel_build import backend
 
 if TYPE_CHECKING:
     from p2ptrain.node.shell import Node
@@ -136,6 +137,7 @@ class StatusView:
             bytes_received=bytes_received,
             wire_measured=loop_meter() is not None,
             pid=os.getpid(),
+            aggregation_backend=backend(),
             storage=services.storage.problem,
             store_blobs=usage.blobs,
             store_bytes=usage.bytes,

@@ -171,6 +171,10 @@ class NodeStatus(_Record, frozen=True):
     bytes_received: int = 0
     wire_measured: bool = False
     pid: int = 0
+    #: The aggregation backend in use: "native (packaged)" (the kernel of the wheel),
+    #: "native (built)" (compiled on first use), "torch (why)"; None until the node first
+    #: aggregated.
+    aggregation_backend: str | None = None
     #: None while writes go through; the problem while the disk refuses them.
     storage: StorageProblem | None = None
     #: The blob store: its blobs and their bytes (partial downloads not counted); what the

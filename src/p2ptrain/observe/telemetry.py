@@ -38,7 +38,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.identity import peer_id_of
@@ -304,6 +309,13 @@ def _labelled(
 
 def node_families(status: NodeStatus) -> Iterator[Metric]:
     """The training figures of one status snapshot, typed."""
+    if status.aggregation_backend is not None:
+        yield InfoMetricFamily(
+            PREFIX + "aggregation",
+            "The aggregation backend in use: the native kernel (packaged in the wheel, or "
+            "built on first use) or torch",
+            value={"backend": status.aggregation_backend},
+        )
     yield _gauge("height", "Height of the highest certified head this node holds", status.height)
     yield _counter(
         "windows_certified",

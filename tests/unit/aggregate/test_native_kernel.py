@@ -1,6 +1,8 @@
-"""The C kernel of the weighted pass (``p2ptrain.aggregate.native``, built by
-``p2ptrain.store.kernel_build``) gives the bits of the torch code it replaces, and a machine
-that cannot build it, or a process that installs none, falls back to that code."""
+"""The C kernel of the weighted pass (``p2ptrain.aggregate.native``, compiled into the
+package by setup.py or built on first use by ``p2ptrain.store.kernel_build``) gives the bits
+of the torch code it replaces, whichever way it was compiled; a packaged kernel built from
+another source is not used; and a machine that cannot build it, or a process that installs
+none, falls back to that code."""
 
 from __future__ import annotations
 
@@ -116,11 +118,71 @@ def test_trimmed_kernel_and_torch_give_the_same_bits_and_counts(
 @pytest.fixture
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """The build's loader installed afresh (installing forgets the loaded library), with an
-    empty cache; afterwards it is installed again, to load the cached kernel for the rest."""
+    empty cache and no packaged kernel; afterwards it is installed again, to load the
+    kernel for the rest."""
     monkeypatch.setenv("P2PTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_build, "packaged_kernel", lambda: None)
     native.install_kernel(kernel_build.load_kernel)
     yield
+    monkeypatch.undo()
     native.install_kernel(kernel_build.load_kernel)
+
+
+PACKAGED = native.KERNEL_SOURCE.with_name("_kernel.so")
+needs_packaged = pytest.mark.skipif(
+    not PACKAGED.exists(), reason="the install compiled no kernel into the package (no cc)"
+)
+
+
+@needs_compiler
+@needs_packaged
+def test_the_packaged_and_the_built_kernel_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    vectors = adversarial_vectors(SEED, count=5, length=3 * CHUNK + 17)
+    terms = ([0, 2, 3, 4], [0.25, -1.5, 0.125, 2.0])
+    native.install_kernel(kernel_build.load_kernel)
+    assert native.available() and kernel_build.backend() == "native (packaged)"
+    packaged = _pass(vectors, *terms)
+    with monkeypatch.context() as patched:
+        patched.setenv("P2PTRAIN_CACHE", str(tmp_path))
+        patched.setattr(kernel_build, "packaged_kernel", lambda: None)
+        native.install_kernel(kernel_build.load_kernel)
+        assert native.available() and kernel_build.backend() == "native (built)"
+        built = _pass(vectors, *terms)
+    native.install_kernel(kernel_build.load_kernel)
+    assert packaged == built
+    _torch_only(monkeypatch)
+    assert _pass(vectors, *terms) == packaged
+
+
+@needs_packaged
+def test_a_packaged_kernel_built_from_another_source_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    changed = tmp_path / "kernel.c"
+    changed.write_bytes(native.KERNEL_SOURCE.read_bytes() + b"/* edited */\n")
+    shutil.copy(PACKAGED, tmp_path / "_kernel.so")
+    monkeypatch.setattr(native, "KERNEL_SOURCE", changed)
+    with caplog.at_level(logging.INFO, logger=kernel_build.__name__):
+        assert kernel_build.packaged_kernel() is None
+    assert "built from another kernel.c" in caplog.text
+    monkeypatch.undo()
+    assert kernel_build.packaged_kernel() is not None  # the install's own matches
+
+
+def test_the_backend_is_named_once_a_pass_asked_for_the_kernel() -> None:
+    loader = native.installed_loader()
+    native.install_kernel(kernel_build.load_kernel)
+    try:
+        assert kernel_build.backend() is None  # nothing aggregated yet
+        native.available()
+        named = kernel_build.backend()
+        assert named is not None and named.startswith(("native (", "torch ("))
+        native.install_kernel(None)
+        assert kernel_build.backend() is None
+    finally:
+        native.install_kernel(loader)
 
 
 @pytest.mark.usefixtures("fresh_library")
@@ -130,6 +192,7 @@ def test_a_failing_compiler_falls_back_to_torch_with_a_warning(
     monkeypatch.setenv("CC", "false")  # exists, always fails
     with caplog.at_level(logging.WARNING, logger=kernel_build.__name__):
         assert not native.available()
+    assert kernel_build.backend() == "torch (the kernel did not build)"
     assert "could not build the aggregation kernel" in caplog.text
     assert "P2PTRAIN_NATIVE=0" in caplog.text
     vectors = adversarial_vectors(SEED, count=2, length=CHUNK + 9)

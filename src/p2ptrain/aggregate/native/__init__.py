@@ -35,6 +35,7 @@ __all__ = [
     "install_kernel",
     "installed_loader",
     "stream_pass",
+    "tried",
 ]
 
 #: The kernel's C source, shipped as package data; a shell compiles it.
@@ -89,6 +90,11 @@ def _function() -> Any | None:
         ctypes.c_int64,  # partial_blocks
     ]
     return function
+
+
+def tried() -> bool:
+    """Whether the installed loader was called already (by a pass, or :func:`available`)."""
+    return _loader is not None and _function.cache_info().currsize > 0
 
 
 def available() -> bool:

@@ -169,3 +169,10 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
     free(wires);
     return 0;
 }
+
+/* The SHA-256 of this file's bytes, set by the build that compiled it into the package
+ * (setup.py): a loader refuses a library built from another version of the source. */
+#ifndef P2P_SOURCE_HASH
+#define P2P_SOURCE_HASH ""
+#endif
+const char *p2p_source_hash(void) { return P2P_SOURCE_HASH; }
