@@ -155,6 +155,26 @@ def _add_memory(sub: Any) -> None:
 
 
 def _add_trainer_memory(sub: Any) -> None:
+    reduce = sub.add_parser(
+        "reduce",
+        help="one window's reduction as a validator runs it, against a plain read of its bytes",
+        description="Put --updates synthetic updates of a --params-parameter model, encoded "
+        "with --codec, into a real blob store; then, in a fresh process, reduce them as a "
+        "validator does (read, admit, decode, screen, aggregate with --rule, step, encode and "
+        "hash the new state). Report the seconds, ms per million parameters per update, the "
+        "peak RSS growth over the RSS after imports, the model's fp32 size, and the time of a "
+        "plain read of the cohort's encoded bytes in the same run (the memory-bandwidth "
+        "floor) with the ratio to it.",
+    )
+    reduce.add_argument("--params", type=int, required=True, help="model parameters")
+    reduce.add_argument("--updates", type=int, required=True, help="updates in the cohort")
+    reduce.add_argument("--rule", default="trimmed_mean", help="aggregation rule (trimmed_mean)")
+    reduce.add_argument("--codec", default="int8", help="update codec (int8)")
+    reduce.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    reduce.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    reduce.add_argument("--json", action="store_true", help="print one JSON object")
+    reduce.set_defaults(handler=run_reduce)
+
     memory = sub.add_parser(
         "trainer-memory",
         help="a trainer's peak RSS training a GPT-2 against a plain training loop",
@@ -401,6 +421,34 @@ def run_chaos(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         print("\n".join(summary_lines(result)))
+    return 0
+
+
+def run_reduce(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.reduce import ReduceBenchConfig, run_reduce_bench
+
+    config = ReduceBenchConfig(
+        params=args.params,
+        updates=args.updates,
+        rule=args.rule,
+        codec=args.codec,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    result = run_reduce_bench(config)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    print(f"model                {config.params:,} parameters, {result['model_fp32_mib']} MiB fp32")
+    print(f"cohort               {config.updates} x {config.codec}, "
+          f"{result['cohort_encoded_mib']} MiB encoded")  # fmt: skip
+    print(f"reduction            {result['reduction_seconds']} s, "
+          f"{result['ms_per_mparam_per_update']} ms per M parameters per update")  # fmt: skip
+    print(f"plain read (floor)   {result['floor_seconds']} s: reduction / floor = "
+          f"{result['ratio_to_floor']} (target <= {result['max_ratio_to_floor']})")  # fmt: skip
+    growth, budget = result["peak_rss_growth_mib"], result["growth_budget_mib"]
+    print(f"peak RSS growth      {growth} MiB = {result['growth_over_model']} x the model "
+          f"(budget {budget} MiB)")  # fmt: skip
     return 0
 
 
