@@ -35,6 +35,17 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class Checked:
+    """A decoded update already flattened (:func:`~.exact.flatten`, sorted-name order) after
+    :func:`check_structure` passed its tensors: a reducer keeps one float32 vector per
+    update, not its tensors and their flat copy too."""
+
+    update_id: str
+    vector: torch.Tensor
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ScreeningVerdict:
     """Whether one update passed screening, why, and the figures behind it."""
 
@@ -75,13 +86,17 @@ def check_structure(
 
 
 def screen_cohort(
-    candidates: Sequence[Candidate], schema: Sequence[TensorSpec], spec: ScreeningSpec
+    candidates: Sequence[Candidate | Checked], schema: Sequence[TensorSpec], spec: ScreeningSpec
 ) -> ScreeningOutcome:
-    """Screen a window's updates; the outcome does not depend on the order of ``candidates``."""
+    """Screen a window's updates; the outcome does not depend on the order of ``candidates``
+    (a :class:`Checked` one gives the verdict its tensors would)."""
     ordered = sorted(candidates, key=lambda c: c.update_id)
     verdicts: dict[str, ScreeningVerdict] = {}
     vectors: dict[str, torch.Tensor] = {}
     for candidate in ordered:
+        if isinstance(candidate, Checked):
+            vectors[candidate.update_id] = candidate.vector
+            continue
         problem = check_structure(candidate.tensors, schema)
         if problem is not None:
             verdicts[candidate.update_id] = ScreeningVerdict(candidate.update_id, False, problem)

@@ -23,10 +23,10 @@ import torch
 
 from p2ptrain.aggregate.aggregate_blob import settle_aggregate
 from p2ptrain.aggregate.codecs import decode_update, max_update_bytes
-from p2ptrain.aggregate.exact import unflatten
+from p2ptrain.aggregate.exact import flatten, unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
-from p2ptrain.aggregate.screening import Candidate, screen_cohort
+from p2ptrain.aggregate.screening import Checked, check_structure, screen_cohort
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
@@ -194,7 +194,7 @@ def reduce_window(
     limit = max_update_bytes(manifest.codec, schema)
     rejections: dict[str, Reason] = {}
     struck: dict[str, Reason] = {}
-    candidates: list[Candidate] = []
+    candidates: list[Checked] = []
     trainer_of: dict[str, str] = {}
     for submission in ordered:
         update = submission.update
@@ -208,9 +208,15 @@ def reduce_window(
             except ProtocolViolation:
                 problem = Reason(Code.UNDECODABLE)
             else:
-                weight = float(update.lease_samples)
-                candidates.append(Candidate(submission.update_id, tensors, weight))
-                continue
+                # one flat vector per update from here on (screening's verdict on the
+                # structure, given here): the decoded tensors go at once
+                problem = check_structure(tensors, schema)
+                if problem is None:
+                    vector = flatten(tensors)
+                    del tensors
+                    weight = float(update.lease_samples)
+                    candidates.append(Checked(submission.update_id, vector, weight))
+                    continue
         rejections[submission.update_id] = problem
         if strike:
             struck[update.trainer_id] = problem
