@@ -37,6 +37,9 @@ DEFAULTS: dict[str, Any] = {
     "n_layer": 2,
     "n_embd": 64,
     "n_head": 2,
+    # embedding rows: 0 is one per character of the text; more pads the embedding the way
+    # GPT-2's 50,257-token vocabulary does (experiment-124m.toml), rows the text never uses
+    "vocab_size": 0,
     "block_size": 64,
     "chars": 400_000,  # the first characters of the corpus (all of it: 0)
     "batch_size": 8,
@@ -70,12 +73,18 @@ def workload(config: Mapping[str, Any] | None = None) -> Any:
     if unknown:
         raise ValueError(f"unknown settings {unknown}; known: {sorted(DEFAULTS)}")
     corpus = load_corpus()
+    vocab_size = int(settings["vocab_size"]) or corpus.vocab_size
+    if vocab_size < corpus.vocab_size:
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the text's {corpus.vocab_size} characters; "
+            "raise it, or leave it out (0) for one row per character"
+        )
     train, val = splits(settings)
     block = int(settings["block_size"])
     torch.manual_seed(int(settings["seed"]))
     model = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            vocab_size=corpus.vocab_size,
+            vocab_size=vocab_size,
             n_positions=block,
             n_embd=int(settings["n_embd"]),
             n_layer=int(settings["n_layer"]),

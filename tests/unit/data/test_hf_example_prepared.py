@@ -48,3 +48,13 @@ def test_the_examples_dataset_prepares_into_the_same_rows(tmp_path: Path) -> Non
     built = workload.workload({"prepared": True})
     assert built.data is None
     built.dry_run()  # stands in with the validation rows
+
+
+def test_the_examples_vocab_size_pads_the_embedding_and_never_cuts_the_text() -> None:
+    workload = _load("workload")
+    small = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "chars": 4000}
+    padded = workload.workload({**small, "vocab_size": 500})
+    assert padded.model.config.vocab_size == 500
+    padded.dry_run()
+    with pytest.raises(ValueError, match="vocab_size 10 is below the text's"):
+        workload.workload({**small, "vocab_size": 10})
