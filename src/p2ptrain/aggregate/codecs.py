@@ -82,6 +82,7 @@ from p2ptrain.aggregate.codec_encoder import MAX_ABS_VALUE, EncoderStatistics, U
 from p2ptrain.aggregate.codec_lowrank import LowRankCodec
 from p2ptrain.aggregate.codec_sparse import TopKCodec
 from p2ptrain.aggregate.codec_sparseloco import SparseLoCoCodec
+from p2ptrain.aggregate.exact import all_finite
 from p2ptrain.core.manifests import CodecSpec, ConfigValue
 from p2ptrain.core.tensors import MAX_NDIM, Schema, TensorSpec, decode_state_dict, schema_hash
 from p2ptrain.errors import LocalError, ProtocolViolation
@@ -326,7 +327,7 @@ def decode_update(
     for spec in model:
         parts = {part: tensors[f"{spec.name}/{part}"] for part in param_codec.layout(spec)}
         value = param_codec.decode(spec, parts)
-        if not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             raise ProtocolViolation(
                 f"update parameter {spec.name!r} decodes to NaN or infinity "
                 f"({param_codec.name} parts that are non-finite or overflow float32)"

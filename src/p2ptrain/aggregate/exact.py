@@ -104,6 +104,16 @@ def sqdist64(a: torch.Tensor, b: torch.Tensor) -> float:
     return _reduce(a.numel(), fill)
 
 
+def all_finite(a: torch.Tensor) -> bool:
+    """Whether every value of ``a`` is finite: exactly ``isfinite(a).all()``, in one fast
+    pass where it holds. A sum with an infinity or a NaN among its terms is not finite,
+    whatever the order it is added in, so a finite sum proves every term finite; a sum that
+    is not (finite terms can overflow) is decided value by value."""
+    if math.isfinite(float(a.sum())):
+        return True
+    return bool(torch.isfinite(a).all())
+
+
 def norm64(a: torch.Tensor) -> float:
     return math.sqrt(sqnorm64(a))
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.aggregate.cohort import Contribution, Failure
-from p2ptrain.aggregate.exact import dot64, flatten, norm64
+from p2ptrain.aggregate.exact import all_finite, dot64, flatten, norm64
 from p2ptrain.aggregate.rules import make_rule
 from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
 from p2ptrain.core.reasons import Code, Reason, describe
@@ -80,7 +80,7 @@ def check_structure(
             return Reason(Code.NOT_FLOAT32, (name[:64],))
         if tuple(tensor.shape) != tuple(spec.shape):
             return Reason(Code.WRONG_SHAPE, (name[:64],))
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             return Reason(Code.NOT_FINITE, (name[:64],))
     return None
 

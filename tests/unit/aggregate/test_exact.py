@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from p2ptrain.aggregate.exact import CHUNK, dot64, flatten, norm64, sqdist64, sqnorm64, unflatten
+from p2ptrain.aggregate.exact import (
+    CHUNK,
+    all_finite,
+    dot64,
+    flatten,
+    norm64,
+    sqdist64,
+    sqnorm64,
+    unflatten,
+)
 
 SEED = 11
 
@@ -47,3 +58,21 @@ def test_reductions_do_not_depend_on_thread_count() -> None:
         torch.set_num_threads(before)
     assert one == two, f"seed={SEED}"
     assert sqdist64(x, y) == sqdist64(y, x)
+
+
+def test_all_finite_is_exactly_isfinite_all_even_where_the_sum_overflows() -> None:
+    generator = torch.Generator().manual_seed(11)
+    values = torch.randn(3 * 65536 + 5, generator=generator)
+    cases = {"plain": values.clone(), "empty": torch.empty(0)}
+    for name, poison in (("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf)):
+        poisoned = values.clone()
+        poisoned[70000] = poison
+        cases[name] = poisoned
+    both = values.clone()
+    both[3], both[9] = math.inf, -math.inf  # they add to NaN, not to a finite value
+    cases["inf and -inf"] = both
+    huge = torch.full((1000,), 3.0e38)  # finite values whose float32 sum overflows
+    cases["overflowing sum"] = huge
+    for name, tensor in cases.items():
+        assert all_finite(tensor) == bool(torch.isfinite(tensor).all()), name
+    assert all_finite(huge) and not all_finite(cases["nan"])
