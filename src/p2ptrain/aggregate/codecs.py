@@ -317,12 +317,16 @@ def decode_update(
     :class:`LocalError` for bad arguments. Every tensor is fresh, writable CPU memory.
     """
     param_codec = codec_for(codec)
-    expected = _expected(schema)
+    expected = expected_schema(schema)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise LocalError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
     tensors = decode_state_dict(data, max_bytes=max_bytes)
-    model = _read_header(tensors.pop(HEADER_TENSOR, None), param_codec, expected)
-    _check_layout(tensors, part_layout(param_codec, model), param_codec.name)
+    raw = tensors.pop(HEADER_TENSOR, None)
+    if raw is None or raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise ProtocolViolation(f"update has no 1-D uint8 {HEADER_TENSOR!r} codec header")
+    model = read_codec_header(raw.numpy().tobytes(), param_codec, expected)
+    found = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    check_parts(found, part_layout(param_codec, model), param_codec.name)
     decoded = {}
     for spec in model:
         parts = {part: tensors[f"{spec.name}/{part}"] for part in param_codec.layout(spec)}
@@ -336,7 +340,7 @@ def decode_update(
     return decoded
 
 
-def _expected(schema: Iterable[TensorSpec] | str) -> Schema | str:
+def expected_schema(schema: Iterable[TensorSpec] | str) -> Schema | str:
     if not isinstance(schema, str):
         return model_schema(schema)
     if len(schema) != 64 or schema.strip("0123456789abcdef"):
@@ -344,12 +348,10 @@ def _expected(schema: Iterable[TensorSpec] | str) -> Schema | str:
     return schema
 
 
-def _read_header(raw: torch.Tensor | None, codec: ParameterCodec, expected: Schema | str) -> Schema:
-    """The model schema from a peer's codec header, after checking the header is exactly the
-    canonical one for ``codec`` and the expected schema (or schema hash)."""
-    if raw is None or raw.dtype != torch.uint8 or raw.dim() != 1:
-        raise ProtocolViolation(f"update has no 1-D uint8 {HEADER_TENSOR!r} codec header")
-    text = raw.numpy().tobytes()
+def read_codec_header(text: bytes, codec: ParameterCodec, expected: Schema | str) -> Schema:
+    """The model schema from a peer's codec header (the ``__codec__`` tensor's bytes), after
+    checking the header is exactly the canonical one for ``codec`` and the expected schema
+    (or schema hash)."""
     try:
         header = _HEADER_DECODER.decode(text)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -403,20 +405,21 @@ def _difference(expected: Schema, claimed: Schema) -> str:
     return "parameters are out of order or repeated"
 
 
-def _check_layout(tensors: Mapping[str, torch.Tensor], layout: Layout, codec: str) -> None:
-    """The container must hold exactly the parts of ``layout``, with their shapes and dtypes."""
-    missing = sorted(layout.keys() - tensors.keys())
-    extra = sorted(tensors.keys() - layout.keys())
+def check_parts(found: Layout, layout: Layout, codec: str) -> None:
+    """The container (its parts' shapes and dtypes, ``found``) must hold exactly the parts
+    of ``layout``, with their shapes and dtypes."""
+    missing = sorted(layout.keys() - found.keys())
+    extra = sorted(found.keys() - layout.keys())
     if missing or extra:
         raise ProtocolViolation(
             f"{codec} update parts do not match the schema: missing {_names(missing)}, "
             f"unexpected {_names(extra)}"
         )
     for name, (shape, dtype) in layout.items():
-        tensor = tensors[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        found_shape, found_dtype = found[name]
+        if found_dtype != dtype or tuple(found_shape) != shape:
             raise ProtocolViolation(
-                f"{codec} update part {name!r:.80} is {tuple(tensor.shape)} {tensor.dtype}; "
+                f"{codec} update part {name!r:.80} is {tuple(found_shape)} {found_dtype}; "
                 f"expected {shape} {dtype}"
             )
 

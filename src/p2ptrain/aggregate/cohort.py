@@ -23,13 +23,28 @@ EXCLUDED = "excluded"  # left out of the aggregate by the rule (e.g. not chosen 
 FAILED = "failed"  # never reached the rule (fetch, decode or screening failure)
 
 
+class FlatVector(Protocol):
+    """A flat float32 vector that rules read span by span: a tensor, or an update blob
+    decoded a span at a time (:class:`~p2ptrain.aggregate.update_reader.UpdateVector`,
+    whose spans are valid until its next read)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def numel(self) -> int: ...
+
+    def dim(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Contribution:
     """One update entering aggregation: its id, its pseudo-gradient as one flat float32
     vector (see :func:`p2ptrain.aggregate.exact.flatten`) and its weight (lease samples)."""
 
     update_id: str
-    vector: torch.Tensor
+    vector: FlatVector
     weight: float = 1.0
 
     def __post_init__(self) -> None:

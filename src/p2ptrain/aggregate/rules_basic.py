@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -30,6 +30,7 @@ from p2ptrain.aggregate.cohort import (
     AggregationResult,
     Contribution,
     Failure,
+    FlatVector,
     UpdateDiagnostics,
     in_canonical_order,
 )
@@ -38,6 +39,8 @@ from p2ptrain.errors import LocalError
 
 #: Values per span of a streamed pass: whole chunks, so the float64 sums keep their tree.
 SPAN = 2 * CHUNK
+#: Values per window of a pass: each input is read (an update decoded) a window at a time.
+WINDOW = 8 * CHUNK
 #: Span by span, each chunk's float64 tree is halved down to this many values; its last
 #: levels run once for all chunks at the end (same pairs, same order, fewer operations).
 TAIL = 256
@@ -92,6 +95,7 @@ class RowSums:
     """
 
     def __init__(self, rows: int, length: int, batch_rows: int, workspace: Workspace) -> None:
+        self.length = length
         self.width = CHUNK if length > CHUNK else pow2_at_least(length)
         self.span = SPAN if length > CHUNK else self.width
         blocks = pow2_at_least(max(1, -(-length // CHUNK)))
@@ -113,18 +117,35 @@ class RowSums:
 
     def fill_natively(
         self,
-        rows: list[torch.Tensor | None],
+        rows: Sequence[FlatVector | None],
         combine: native.Weighted | native.Trimmed | None,
         aggregate: torch.Tensor,
         span: tuple[int, int] | None = None,
+        *,
+        base: int = 0,
     ) -> bool:
         """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
         (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
-        when it is given; False (nothing done) when the kernel cannot take them."""
+        when it is given; False (nothing done) when the kernel cannot take them. ``rows``
+        and ``aggregate`` may be spans that start at value ``base``."""
         if self.width != CHUNK or len(rows) != self._partial.shape[0]:
             return False
+        tensors: list[torch.Tensor | None] = []
+        for row in rows:
+            if row is not None and not isinstance(row, torch.Tensor):
+                return False
+            tensors.append(row)
         blocks = None if span is None else (span[0] // CHUNK, -(-span[1] // CHUNK))
-        return native.stream_pass(rows, combine, aggregate, self._partial, CHUNK, blocks=blocks)
+        return native.stream_pass(
+            tensors,
+            combine,
+            aggregate,
+            self._partial,
+            CHUNK,
+            blocks=blocks,
+            base=base,
+            length=self.length,
+        )
 
     def _blocks(self, start: int, end: int) -> int:
         return -(-(end - start) // self.width)  # ceiling division
@@ -177,8 +198,20 @@ class NativeCombiner(Protocol):
         ...
 
 
+def windows(length: int, span: int) -> Iterator[tuple[int, int]]:
+    """``(first, last)`` of each :data:`WINDOW` of a pass over ``length`` values (whole
+    spans of ``span`` values, which divides the window)."""
+    step = max(WINDOW, span)
+    for first in range(0, length, step):
+        yield first, min(first + step, length)
+
+
+def _in_memory(vectors: Sequence[FlatVector | None]) -> bool:
+    return all(vector is None or isinstance(vector, torch.Tensor) for vector in vectors)
+
+
 def stream_pass(
-    vectors: Sequence[torch.Tensor],
+    vectors: Sequence[FlatVector],
     combiner: SpanCombiner,
     workspace: Workspace,
     references: Sequence[torch.Tensor | None] = (),
@@ -188,36 +221,47 @@ def stream_pass(
     squared distance from it to each of ``vectors`` and then each of ``references`` (None
     stands for the zero vector, giving the aggregate's squared norm). Each distance is
     bit-identical to ``sqdist64``: the float32 difference, squared in float64, summed by
-    its tree."""
+    its tree. Each vector is read once, a window at a time (:func:`windows`)."""
     n, length = len(vectors), vectors[0].numel()
     aggregate = torch.empty(length, dtype=torch.float32) if out is None else out
     rows = n + len(references)
     sums = RowSums(rows, length, rows, workspace)
     native_combine = combiner.native() if isinstance(combiner, NativeCombiner) else None
-    if native_combine is not None and sums.fill_natively(
-        [*vectors, *references], native_combine, aggregate
+    inputs: list[FlatVector | None] = [*vectors, *references]
+    if (
+        native_combine is not None
+        and _in_memory(inputs)
+        and sums.fill_natively(inputs, native_combine, aggregate)
     ):
         return aggregate, sums.totals()
-    for start in range(0, length, sums.span):
-        end = min(start + sums.span, length)
-        span = aggregate[start:end]
-        stack = combiner.combine(start, [v[start:end] for v in vectors], span)
-        if sums.fill_natively([*vectors, *references], None, aggregate, (start, end)):
+    for first, last in windows(length, sums.span):
+        spans = [None if v is None else v[first:last] for v in inputs]
+        if native_combine is not None and sums.fill_natively(
+            spans, native_combine, aggregate[first:last], (first, last), base=first
+        ):
             continue
-        terms = sums.terms(start, end, rows)
-        # float32 differences (one rounding each), widened to float64 as they are written
-        if stack is not None:
-            torch.sub(stack, span, out=terms[:n])
-        else:
-            for i, vector in enumerate(vectors):
-                torch.sub(vector[start:end], span, out=terms[i])
-        for j, reference in enumerate(references, start=n):
-            if reference is None:
-                terms[j].copy_(span)  # 0 - x squares to the same value as x
+        for start in range(first, last, sums.span):
+            end = min(start + sums.span, last)
+            local = slice(start - first, end - first)
+            span = aggregate[start:end]
+            values = [row[local] for row in spans[:n] if row is not None]
+            stack = combiner.combine(start, values, span)
+            if sums.fill_natively(spans, None, aggregate[first:last], (start, end), base=first):
+                continue
+            terms = sums.terms(start, end, rows)
+            # float32 differences (one rounding each), widened to float64 as they are written
+            if stack is not None:
+                torch.sub(stack, span, out=terms[:n])
             else:
-                torch.sub(reference[start:end], span, out=terms[j])
-        terms.mul_(terms)
-        sums.collect(start, end, 0, rows)
+                for i, value in enumerate(values):
+                    torch.sub(value, span, out=terms[i])
+            for j, reference in enumerate(spans[n:], start=n):
+                if reference is None:
+                    terms[j].copy_(span)  # 0 - x squares to the same value as x
+                else:
+                    torch.sub(reference[local], span, out=terms[j])
+            terms.mul_(terms)
+            sums.collect(start, end, 0, rows)
     return aggregate, sums.totals()
 
 
@@ -251,7 +295,7 @@ class WeightedSpans:
 
 
 def weighted_pass(
-    vectors: Sequence[torch.Tensor],
+    vectors: Sequence[FlatVector],
     chosen: Sequence[int],
     weights: Sequence[float],
     workspace: Workspace,
@@ -392,9 +436,10 @@ def prepare(
     once in the cohort and that ``out`` (if any) can hold the aggregate."""
     ordered = in_canonical_order(contributions)
     for contribution in ordered:
-        if contribution.vector.device.type != "cpu":
+        vector = contribution.vector
+        if isinstance(vector, torch.Tensor) and vector.device.type != "cpu":
             raise LocalError(
-                f"update {contribution.update_id[:16]} is on {contribution.vector.device}; "
+                f"update {contribution.update_id[:16]} is on {vector.device}; "
                 "canonical aggregation runs on the CPU (pass vector.cpu())"
             )
     seen = {c.update_id for c in ordered}
@@ -413,7 +458,10 @@ def prepare(
                 f"contributions; got {out.dtype} of shape {tuple(out.shape)}"
             )
         storage = out.untyped_storage().data_ptr()
-        if any(c.vector.untyped_storage().data_ptr() == storage for c in ordered):
+        if any(
+            isinstance(c.vector, torch.Tensor) and c.vector.untyped_storage().data_ptr() == storage
+            for c in ordered
+        ):
             raise LocalError("out shares memory with a contribution; pass a separate buffer")
     return ordered
 

@@ -22,6 +22,7 @@ from p2ptrain.aggregate.cohort import (
     AggregationResult,
     Contribution,
     Failure,
+    FlatVector,
 )
 from p2ptrain.aggregate.rules_basic import (
     SPAN,
@@ -38,30 +39,33 @@ from p2ptrain.aggregate.rules_basic import (
     shares,
     stream_pass,
     weighted_pass,
+    windows,
 )
 
 
 def pairwise_squared_distances(
-    vectors: Sequence[torch.Tensor], workspace: Workspace
+    vectors: Sequence[FlatVector], workspace: Workspace
 ) -> list[list[float]]:
     """``d[i][j]``: the float64 squared distance between vectors ``i`` and ``j``
     (bit-identical to ``sqdist64``), each pair computed once, in one streamed pass."""
     n, length = len(vectors), vectors[0].numel()
     sums = RowSums(n * (n - 1) // 2, length, max(1, n - 1), workspace)
     stack32 = workspace.get("pairwise.stack", n * min(sums.span, length), torch.float32)
-    for start in range(0, length, sums.span):
-        end = min(start + sums.span, length)
-        stack = stack32[: n * (end - start)].view(n, end - start)
-        for i, vector in enumerate(vectors):
-            stack[i].copy_(vector[start:end])
-        row = 0
-        for i in range(n - 1):
-            count = n - 1 - i
-            terms = sums.terms(start, end, count)
-            torch.sub(stack[i + 1 :], stack[i], out=terms)
-            terms.mul_(terms)
-            sums.collect(start, end, row, count)
-            row += count
+    for first, last in windows(length, sums.span):
+        spans = [vector[first:last] for vector in vectors]
+        for start in range(first, last, sums.span):
+            end = min(start + sums.span, last)
+            stack = stack32[: n * (end - start)].view(n, end - start)
+            for i, span in enumerate(spans):
+                stack[i].copy_(span[start - first : end - first])
+            row = 0
+            for i in range(n - 1):
+                count = n - 1 - i
+                terms = sums.terms(start, end, count)
+                torch.sub(stack[i + 1 :], stack[i], out=terms)
+                terms.mul_(terms)
+                sums.collect(start, end, row, count)
+                row += count
     totals = iter(sums.totals())
     distances = [[0.0] * n for _ in range(n)]
     for i in range(n):
@@ -149,7 +153,7 @@ def _median_value(values: Sequence[float]) -> float:
 
 
 def _coordinate_median(
-    vectors: Sequence[torch.Tensor],
+    vectors: Sequence[FlatVector],
     workspace: Workspace,
     out: torch.Tensor,
     references: Sequence[torch.Tensor | None] = (),

@@ -11,18 +11,21 @@ are checked by the protocol layer, not here.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from p2ptrain.aggregate.cohort import Contribution, Failure
-from p2ptrain.aggregate.exact import all_finite, dot64, flatten, norm64
-from p2ptrain.aggregate.rules import make_rule
-from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
+from p2ptrain.aggregate import native
+from p2ptrain.aggregate.cohort import Contribution, Failure, FlatVector
+from p2ptrain.aggregate.exact import CHUNK, all_finite, flatten
+from p2ptrain.aggregate.rules_basic import RowSums, TrimmedSpans, Workspace, windows
+from p2ptrain.core.manifests import ScreeningSpec
 from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.tensors import TensorSpec
+from p2ptrain.errors import ProtocolViolation
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +39,15 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Checked:
-    """A decoded update already flattened (:func:`~.exact.flatten`, sorted-name order) after
-    :func:`check_structure` passed its tensors: a reducer keeps one float32 vector per
-    update, not its tensors and their flat copy too."""
+    """An update already seen as one flat vector (sorted-name order) whose structure is
+    known good: a flattened tensor after :func:`check_structure`, or an update read span by
+    span (:class:`~.update_reader.UpdateVector`) with its ``norm`` from :func:`measure`."""
 
     update_id: str
-    vector: torch.Tensor
+    vector: FlatVector
     weight: float = 1.0
+    #: Its L2 norm (exactly ``norm64``), when already measured.
+    norm: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,45 @@ def check_structure(
     return None
 
 
+def measure(vectors: Sequence[FlatVector], workspace: Workspace | None = None) -> list[float | str]:
+    """Read every value of every vector once (a window at a time): each vector's L2 norm
+    (exactly ``norm64``), or why it cannot be used -- a read that raised
+    :class:`ProtocolViolation` (bad bytes in an update blob), or values that are not
+    finite. This is a reduction's first pass: afterwards, every span of a vector it passed
+    reads without error."""
+    if not vectors:
+        return []
+    n, length = len(vectors), vectors[0].numel()
+    sums = RowSums(n, length, n, workspace or Workspace())
+    problems: dict[int, str] = {}
+    for first, last in windows(length, sums.span):
+        spans: list[torch.Tensor | None] = []
+        for i, vector in enumerate(vectors):
+            span = None
+            if i not in problems:
+                try:
+                    span = vector[first:last]
+                except ProtocolViolation as violation:
+                    problems[i] = str(violation)
+                else:
+                    if not all_finite(span):
+                        problems[i] = f"values {first}..{last} are not all finite"
+                        span = None
+            spans.append(span)
+        for start in range(first, last, sums.span):
+            end = min(start + sums.span, last)
+            terms = sums.terms(start, end, n)
+            for i, span in enumerate(spans):
+                if span is None:
+                    terms[i].zero_()
+                else:
+                    terms[i].copy_(span[start - first : end - first])
+            terms.mul_(terms)
+            sums.collect(start, end, 0, n)
+    totals = sums.totals()
+    return [problems[i] if i in problems else math.sqrt(totals[i]) for i in range(n)]
+
+
 def screen_cohort(
     candidates: Sequence[Candidate | Checked], schema: Sequence[TensorSpec], spec: ScreeningSpec
 ) -> ScreeningOutcome:
@@ -92,27 +136,32 @@ def screen_cohort(
     (a :class:`Checked` one gives the verdict its tensors would)."""
     ordered = sorted(candidates, key=lambda c: c.update_id)
     verdicts: dict[str, ScreeningVerdict] = {}
-    vectors: dict[str, torch.Tensor] = {}
+    vectors: dict[str, FlatVector] = {}
+    norms: dict[str, float] = {}
     for candidate in ordered:
         if isinstance(candidate, Checked):
             vectors[candidate.update_id] = candidate.vector
+            if candidate.norm is not None:
+                norms[candidate.update_id] = candidate.norm
             continue
         problem = check_structure(candidate.tensors, schema)
         if problem is not None:
             verdicts[candidate.update_id] = ScreeningVerdict(candidate.update_id, False, problem)
         else:
             vectors[candidate.update_id] = flatten(candidate.tensors)
-    norms = {update_id: norm64(vector) for update_id, vector in vectors.items()}
+    unmeasured = [update_id for update_id in vectors if update_id not in norms]
+    for update_id, norm in zip(unmeasured, measure([vectors[i] for i in unmeasured]), strict=True):
+        assert isinstance(norm, float), "a flattened tensor that passed check_structure"
+        norms[update_id] = norm
     median_norm = statistics.median(norms.values()) if norms else 0.0
     in_range = _norm_screen(norms, median_norm, spec.max_norm_ratio, verdicts)
-    centre = _robust_centre([vectors[i] for i in in_range])
-    centre_norm = norm64(centre) if centre is not None else 0.0
-    for update_id in in_range:
+    dots, centre_norm = _centre_products([vectors[i] for i in in_range])
+    for update_id, dot in zip(in_range, dots, strict=True):
         ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
-        if centre is None or centre_norm == 0.0 or norms[update_id] == 0.0:
+        if centre_norm == 0.0 or norms[update_id] == 0.0:
             verdicts[update_id] = ScreeningVerdict(update_id, True, None, norms[update_id], ratio)
             continue
-        cosine = dot64(vectors[update_id], centre) / (norms[update_id] * centre_norm)
+        cosine = dot / (norms[update_id] * centre_norm)
         accepted = cosine >= spec.min_cosine
         reason = None if accepted else Reason(Code.COSINE_BELOW, (cosine, float(spec.min_cosine)))
         verdicts[update_id] = ScreeningVerdict(
@@ -153,9 +202,43 @@ def _norm_screen(
     return passed
 
 
-def _robust_centre(vectors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Coordinate-wise median of ``vectors`` (bit-exact), or None for an empty cohort."""
+def _centre_products(vectors: Sequence[FlatVector]) -> tuple[list[float], float]:
+    """The cohort's robust centre -- the coordinate-wise median of ``vectors`` (exactly the
+    ``median`` rule's) -- seen only through each vector's dot product with it and its own
+    L2 norm (exactly ``dot64`` and ``norm64``), in one pass a window at a time: the centre
+    is never held whole. Empty ``vectors``: no products, norm 0."""
     if not vectors:
-        return None
-    contributions = [Contribution(f"{i:08d}", vector) for i, vector in enumerate(vectors)]
-    return make_rule(AggregationSpec(rule="median")).aggregate(contributions).aggregate
+        return [], 0.0
+    n, length = len(vectors), vectors[0].numel()
+    workspace = Workspace()
+    sums = RowSums(n + 1, length, n + 1, workspace)
+    median = TrimmedSpans(n, (n - 1) // 2, workspace)
+    kernel = median.native()
+    width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
+    centre = torch.empty(width, dtype=torch.float32)
+    for first, last in windows(length, sums.span):
+        spans = [vector[first:last] for vector in vectors]
+        window = centre[: last - first]
+        natively = (
+            kernel is not None
+            and sums.width == CHUNK
+            and native.stream_pass(
+                spans, kernel, window, None, CHUNK,
+                blocks=(first // CHUNK, -(-last // CHUNK)), base=first, length=length,
+            )
+        )  # fmt: skip
+        for start in range(first, last, sums.span):
+            end = min(start + sums.span, last)
+            local = slice(start - first, end - first)
+            span = window[local]
+            if not natively:
+                median.combine(start, [row[local] for row in spans], span)
+            terms = sums.terms(start, end, n + 1)
+            for i, row in enumerate(spans):
+                terms[i].copy_(row[local])
+                terms[i].mul_(span)  # float32 x float32 is exact in float64
+            terms[n].copy_(span)
+            terms[n].mul_(terms[n])
+            sums.collect(start, end, 0, n + 1)
+    totals = sums.totals()
+    return totals[:n], math.sqrt(totals[n])

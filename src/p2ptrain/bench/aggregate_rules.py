@@ -63,7 +63,7 @@ def measure_rules(
         )
     ensure_kernel()
     updates = make_updates(n_updates, values, seed)
-    sources = [update.vector for update in updates]
+    sources = [update.vector for update in updates if isinstance(update.vector, torch.Tensor)]
     destinations = [torch.zeros_like(source) for source in sources]
     out = torch.zeros(values, dtype=torch.float32)
     rules = {name: make_rule(AggregationSpec(rule=name)) for name in rule_names()}

@@ -307,7 +307,7 @@ def _reduce(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
 
         start = time.perf_counter()
         cohort = [
-            Submission(update, update_id, store.get(update.delta_blob))
+            Submission(update, update_id, store.reader(update.delta_blob))
             for update, update_id in records
         ]
         reduction = reduce_window(manifest, base, cohort, LeaseBook(manifest), (head.id,))

@@ -30,8 +30,8 @@ import hashlib
 import itertools
 import math
 import sys
-from collections.abc import Iterable, Mapping
-from typing import Annotated, Final, TypeAlias
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Final, NamedTuple, TypeAlias
 
 import msgspec
 import numpy as np
@@ -44,12 +44,16 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "SCHEMA_METADATA_KEY",
     "SUPPORTED_DTYPES",
+    "BlobLayout",
     "Schema",
+    "TensorSlot",
     "TensorSpec",
     "decode_state_dict",
     "encode_state_dict",
+    "read_layout",
     "schema_hash",
     "schema_of",
+    "uint8_alias",
 ]
 
 SCHEMA_METADATA_KEY: Final = "p2ptrain.schema"
@@ -113,8 +117,9 @@ class _HeaderEntry(msgspec.Struct, forbid_unknown_fields=True):
     data_offsets: tuple[_NonNegative, _NonNegative]
 
 
-class _Slot(msgspec.Struct, frozen=True):
-    """A validated header entry: where one tensor's bytes lie in the data section."""
+class TensorSlot(msgspec.Struct, frozen=True):
+    """A validated header entry: where one tensor's bytes lie in the data section (``begin``
+    and ``end`` count from the data section's start)."""
 
     name: str
     dtype: torch.dtype
@@ -281,7 +286,7 @@ class _ArrayInterface:
         }
 
 
-def _uint8_alias(buffer: bytes | memoryview) -> torch.Tensor:
+def uint8_alias(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     """A uint8 tensor over ``buffer``'s memory, without a copy, even when it is read-only.
 
     torch wraps only writable buffers (and warns about read-only ones), so the address goes
@@ -327,7 +332,7 @@ def decode_state_dict(
     _check_metadata(metadata, actual)
     if expected is not None:
         _check_expected(expected, schema, actual)
-    source = _uint8_alias(view)  # only read from
+    source = uint8_alias(view)  # only read from
     tensors = {slot.name: _copy_tensor(source, base, slot) for slot in slots}
     return {name: tensors[name] for name in sorted(tensors)}
 
@@ -344,21 +349,30 @@ def _byte_view(data: object) -> memoryview:
 
 def _parse_layout(
     view: memoryview, max_bytes: int
-) -> tuple[int, list[_Slot], dict[str, str] | None]:
+) -> tuple[int, list[TensorSlot], dict[str, str] | None]:
     """Validate the header; return where data starts, the tensor slots and the metadata."""
-    size = len(view)
+    return _parse_prefix(
+        lambda offset, length: view[offset : offset + length], len(view), max_bytes
+    )
+
+
+def _parse_prefix(
+    read: Callable[[int, int], bytes | bytearray | memoryview], size: int, max_bytes: int
+) -> tuple[int, list[TensorSlot], dict[str, str] | None]:
+    """:func:`_parse_layout` of a blob of ``size`` bytes whose bytes ``read(offset, length)``
+    returns: only the length field and the header are read."""
     if size > max_bytes:
         raise ProtocolViolation(f"tensor blob is {size} bytes, over the limit of {max_bytes}")
     if size < 8:
         raise ProtocolViolation(f"tensor blob is {size} bytes, too short for a safetensors file")
-    header_len = int.from_bytes(view[:8], "little")
+    header_len = int.from_bytes(read(0, 8), "little")
     if header_len > MAX_HEADER_BYTES or header_len > size - 8:
         raise ProtocolViolation(
             f"safetensors header claims {header_len} bytes; the blob has {size - 8} after the "
             f"length field and the limit is {MAX_HEADER_BYTES}"
         )
     try:
-        raw_entries = _HEADER_DECODER.decode(view[8 : 8 + header_len])
+        raw_entries = _HEADER_DECODER.decode(read(8, header_len))
         raw_metadata = raw_entries.pop("__metadata__", None)
         metadata = None if raw_metadata is None else _METADATA_DECODER.decode(raw_metadata)
         entries = {name: _ENTRY_DECODER.decode(raw) for name, raw in raw_entries.items()}
@@ -369,7 +383,42 @@ def _parse_layout(
     return 8 + header_len, slots, metadata
 
 
-def _slot(name: str, entry: _HeaderEntry) -> _Slot:
+class BlobLayout(NamedTuple):
+    """Where a validated safetensors blob keeps each tensor: the data section's offset in
+    the blob, and every tensor's slot, by name (sorted)."""
+
+    data_start: int
+    slots: dict[str, TensorSlot]
+
+
+def read_layout(
+    read: Callable[[int, int], bytes | bytearray | memoryview],
+    size: int,
+    *,
+    expected_schema: str | Iterable[TensorSpec] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> BlobLayout:
+    """The layout of a blob from a peer of ``size`` bytes, reading only its header through
+    ``read(offset, length)``: every check of :func:`decode_state_dict` that does not look
+    at tensor data (a ``bool`` tensor's bytes are the caller's to check), so a reader can
+    then fetch any tensor's bytes by range. Raises :class:`ProtocolViolation` for bad bytes."""
+    _require_little_endian()
+    expected = None if expected_schema is None else _expected(expected_schema)
+    data_start, slots, metadata = _parse_prefix(read, size, max_bytes)
+    schema = tuple(
+        sorted(
+            (TensorSpec(slot.name, slot.shape, _dtype_name(slot.dtype)) for slot in slots),
+            key=lambda spec: spec.name,
+        )
+    )
+    actual = _hash_sorted_schema(schema)
+    _check_metadata(metadata, actual)
+    if expected is not None:
+        _check_expected(expected, schema, actual)
+    return BlobLayout(data_start, {slot.name: slot for slot in sorted(slots, key=lambda s: s.name)})
+
+
+def _slot(name: str, entry: _HeaderEntry) -> TensorSlot:
     dtype = _DTYPE_OF_CODE.get(entry.dtype)
     if dtype is None:
         raise ProtocolViolation(f"tensor {_quote(name)} has unsupported dtype {entry.dtype!r}")
@@ -381,10 +430,10 @@ def _slot(name: str, entry: _HeaderEntry) -> _Slot:
             f"tensor {_quote(name)}: data_offsets [{begin}, {end}] do not fit shape "
             f"{entry.shape} of {entry.dtype}"
         )
-    return _Slot(name, dtype, tuple(entry.shape), begin, end)
+    return TensorSlot(name, dtype, tuple(entry.shape), begin, end)
 
 
-def _check_tiling(slots: list[_Slot], data_len: int) -> None:
+def _check_tiling(slots: list[TensorSlot], data_len: int) -> None:
     """The tensors must cover the data section exactly: no gaps, overlaps or trailing bytes."""
     position = 0
     for slot in sorted(slots, key=lambda slot: (slot.begin, slot.end)):
@@ -458,7 +507,7 @@ def _first_difference(expected: Schema, actual: Schema) -> str:
     return "the schemas differ"  # unreachable for different hashes, kept for safety
 
 
-def _copy_tensor(source: torch.Tensor, base: int, slot: _Slot) -> torch.Tensor:
+def _copy_tensor(source: torch.Tensor, base: int, slot: TensorSlot) -> torch.Tensor:
     """One tensor, copied out of ``source`` into its own fresh, aligned CPU storage."""
     nbytes = slot.end - slot.begin
     if nbytes == 0:

@@ -15,6 +15,7 @@ the lease sample counts), and the outer optimizer steps the base weights.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.aggregate.aggregate_blob import settle_aggregate
-from p2ptrain.aggregate.codecs import decode_update, max_update_bytes
-from p2ptrain.aggregate.exact import flatten, unflatten
+from p2ptrain.aggregate.codecs import max_update_bytes
+from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
-from p2ptrain.aggregate.screening import Checked, check_structure, screen_cohort
+from p2ptrain.aggregate.screening import Checked, measure, screen_cohort
+from p2ptrain.aggregate.update_reader import ByteSource, UpdateVector, source_of
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
@@ -48,6 +50,8 @@ __all__ = [
 ]
 
 Tensors = Mapping[str, torch.Tensor]
+#: Bytes per read when a reduction hashes a blob itself.
+_HASH_READ = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +78,8 @@ class Submission:
 
     update: Update
     update_id: str
-    blob: bytes | bytearray
+    #: The bytes in memory, or where to read them by range (a blob store's file).
+    blob: bytes | bytearray | ByteSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,18 @@ def belongs_to_window(
     return Verdict(True, "update is for this window")
 
 
+def _blob_id(blob: ByteSource) -> str:
+    """The id the blob's bytes hash to: as a store that verified them vouches, else hashed
+    here a megabyte at a time."""
+    if blob.verified_id is not None:
+        return blob.verified_id
+    digest = hashlib.sha256()
+    size = len(blob)
+    for offset in range(0, size, _HASH_READ):
+        digest.update(blob.read(offset, min(_HASH_READ, size - offset)))
+    return digest.hexdigest()
+
+
 def _admit(
     manifest: ExperimentManifest,
     base: BaseState,
@@ -161,8 +178,8 @@ def _admit(
     problem = leases.check(update)
     if problem is not None:
         return problem, True
-    blob = submission.blob
-    if len(blob) != update.delta_bytes or sha256_hex(blob) != update.delta_blob:
+    blob = source_of(submission.blob)
+    if len(blob) != update.delta_bytes or _blob_id(blob) != update.delta_blob:
         return Reason(Code.BLOB_MISMATCH), True
     return None, True
 
@@ -194,37 +211,42 @@ def reduce_window(
     limit = max_update_bytes(manifest.codec, schema)
     rejections: dict[str, Reason] = {}
     struck: dict[str, Reason] = {}
-    candidates: list[Checked] = []
+    opened: list[tuple[Submission, UpdateVector]] = []
     trainer_of: dict[str, str] = {}
+
+    def reject(update_id: str, problem: Reason, strike: bool = True) -> None:
+        rejections[update_id] = problem
+        if strike:
+            struck[trainer_of[update_id]] = problem
+
     for submission in ordered:
         update = submission.update
         trainer_of[submission.update_id] = update.trainer_id
         problem, strike = _admit(
             manifest, base, submission, leases, per_trainer[update.trainer_id] > 1
         )
-        if problem is None:
-            try:
-                tensors = decode_update(submission.blob, manifest.codec, schema, max_bytes=limit)
-            except ProtocolViolation:
-                problem = Reason(Code.UNDECODABLE)
-            else:
-                # one flat vector per update from here on (screening's verdict on the
-                # structure, given here): the decoded tensors go at once
-                problem = check_structure(tensors, schema)
-                if problem is None:
-                    vector = flatten(tensors)
-                    del tensors
-                    weight = float(update.lease_samples)
-                    candidates.append(Checked(submission.update_id, vector, weight))
-                    continue
-        rejections[submission.update_id] = problem
-        if strike:
-            struck[update.trainer_id] = problem
+        if problem is not None:
+            reject(submission.update_id, problem, strike)
+            continue
+        try:
+            # only the blob's headers are read here; its values, a window at a time
+            vector = UpdateVector(submission.blob, manifest.codec, schema, max_bytes=limit)
+        except ProtocolViolation:
+            reject(submission.update_id, Reason(Code.UNDECODABLE))
+        else:
+            opened.append((submission, vector))
+    # the first pass reads every value of every update once: bad values, non-finite ones
+    candidates: list[Checked] = []
+    for (submission, vector), norm in zip(opened, measure([v for _, v in opened]), strict=True):
+        if isinstance(norm, str):
+            reject(submission.update_id, Reason(Code.UNDECODABLE))
+        else:
+            weight = float(submission.update.lease_samples)
+            candidates.append(Checked(submission.update_id, vector, weight, norm))
     outcome = screen_cohort(candidates, schema, manifest.screening)
     for screened in outcome.verdicts:
         if screened.reason is not None:
-            rejections[screened.update_id] = screened.reason
-            struck[trainer_of[screened.update_id]] = screened.reason
+            reject(screened.update_id, screened.reason)
     accepted = tuple(c.update_id for c in outcome.contributions)
     rejected = tuple(Rejection(update_id=i, reason=r) for i, r in sorted(rejections.items()))
 

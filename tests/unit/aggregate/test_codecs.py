@@ -21,6 +21,8 @@ from p2ptrain.aggregate.codecs import (
     make_encoder,
     max_update_bytes,
 )
+from p2ptrain.aggregate.exact import flatten
+from p2ptrain.aggregate.update_reader import UpdateVector
 from p2ptrain.bench.codecs import measure_codecs
 from p2ptrain.core.manifests import UPDATE_CODECS, CodecSpec
 from p2ptrain.core.tensors import (
@@ -462,16 +464,39 @@ def small_spec(name: str) -> CodecSpec:
 VALID = {name: round_trip(small_spec(name), small_delta())[0] for name in UPDATE_CODECS}
 
 
+def read_streamed(
+    blob: bytes | bytearray, spec: CodecSpec, expected: object, span: int = 37
+) -> torch.Tensor:
+    """The update read span by span (as a reduction reads it: every value once, finite
+    checked), flat; ProtocolViolation where the reader refuses it."""
+    vector = UpdateVector(blob, spec, expected, max_bytes=1 << 20)  # type: ignore[arg-type]
+    parts = []
+    for start in range(0, vector.numel(), span):
+        values = vector[start : start + span].clone()
+        if not bool(torch.isfinite(values).all()):
+            raise ProtocolViolation("not finite")
+        parts.append(values)
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
 def decodes_or_violates(blob: bytes | bytearray, name: str, by_hash: bool = False) -> None:
-    """The decoder's contract: a valid float32 update of the schema, or ProtocolViolation."""
+    """The decoder's contract: a valid float32 update of the schema, or ProtocolViolation;
+    the streamed reader (:class:`UpdateVector`) reaches the same verdict and bits."""
     schema = schema_of(small_delta())
     expected = schema_hash(schema) if by_hash else schema
+    try:
+        streamed: torch.Tensor | None = read_streamed(blob, small_spec(name), expected)
+    except ProtocolViolation:
+        streamed = None
     try:
         decoded = decode_update(blob, small_spec(name), expected, max_bytes=1 << 20)
     except ProtocolViolation as exc:
         event(f"violation: {' '.join(str(exc).split()[:3])}")
+        assert streamed is None, "the streamed reader took a blob decode_update refuses"
         return
     event("decoded")
+    assert streamed is not None, "the streamed reader refused a blob decode_update takes"
+    assert torch.equal(flatten(decoded).view(torch.int32), streamed.view(torch.int32))
     assert list(decoded) == sorted(SMALL)
     for key, value in decoded.items():
         assert value.dtype == torch.float32 and tuple(value.shape) == SMALL[key]
@@ -716,6 +741,8 @@ def test_malicious_encodings_are_violations(
     expected = schema_hash(schema) if by_hash else schema
     with pytest.raises(ProtocolViolation, match=message):
         decode_update(blob, small_spec(name), expected, max_bytes=1 << 20)
+    with pytest.raises(ProtocolViolation):
+        read_streamed(blob, small_spec(name), expected)
 
 
 def test_blobs_for_another_codec_setting_or_model_are_violations() -> None:

@@ -6,6 +6,7 @@ import hashlib
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,6 +34,7 @@ from p2ptrain.errors import LocalError
 from p2ptrain.protocol.chain import genesis_head
 from p2ptrain.protocol.leases import LeaseBook, lease_for
 from p2ptrain.protocol.reduction import BaseState, Reduction, Submission, reduce_window
+from p2ptrain.store.blobs import BlobStore
 from tests.support.builders import experiment, h, identity
 
 Tensors = dict[str, torch.Tensor]
@@ -203,6 +205,26 @@ def test_the_result_does_not_depend_on_cohort_order() -> None:
         assert again.accepted == first.accepted
         assert again.rejected == first.rejected
     assert reduce(list(reversed(cohort))).head_id == first.head_id
+
+
+def test_a_cohort_read_from_a_blob_store_by_range_gives_the_same_head(tmp_path: Path) -> None:
+    """Blobs in a store's files, read a window at a time, reduce like blobs in memory; a
+    file whose size is not the update's is refused like bytes that do not match."""
+    cohort = [*honest_cohort(), submit(BAD, delta(4), lease_samples=24)]
+    in_memory = reduce(cohort)
+    with BlobStore(tmp_path / "blobs") as store:
+        stored = []
+        for submission in cohort:
+            store.put(submission.blob)  # type: ignore[arg-type]
+            reader = store.reader(submission.update.delta_blob)
+            stored.append(Submission(submission.update, submission.update_id, reader))
+        from_files = reduce(stored)
+        other = store.reader(store.put(encode(delta(7))))
+        wrong = submit(HONEST[0], delta(0))
+        mismatch = reduce([Submission(wrong.update, wrong.update_id, other)])
+    assert from_files.head_id == in_memory.head_id is not None
+    assert from_files.rejected == in_memory.rejected
+    assert [r.reason.code for r in mismatch.rejected] == [Code.BLOB_MISMATCH]
 
 
 def test_two_reductions_give_byte_identical_blobs() -> None:

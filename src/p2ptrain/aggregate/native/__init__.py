@@ -44,6 +44,8 @@ KERNEL_SOURCE = Path(__file__).with_name("kernel.c")
 KernelLoader = Callable[[], ctypes.CDLL | None]
 #: The kernel's modes (``kernel.c``): aggregate given, weighted combination, trimmed mean.
 _GIVEN, _WEIGHTED, _TRIMMED = 0, 1, 2
+#: The kernel's slice width when it computes an aggregate alone.
+_AGGREGATE_TAIL = 256
 #: Blocks per task when the pass is split between threads.
 _BLOCKS_PER_TASK = 16
 
@@ -83,6 +85,7 @@ def _function() -> Any | None:
         ctypes.c_void_p,  # dropped
         ctypes.c_void_p,  # aggregate
         ctypes.c_int64,  # length
+        ctypes.c_int64,  # base
         ctypes.c_int64,  # block_begin
         ctypes.c_int64,  # block_end
         ctypes.c_int64,  # tail
@@ -133,26 +136,37 @@ def stream_pass(
     rows: Sequence[torch.Tensor | None],
     combine: Weighted | Trimmed | None,
     aggregate: torch.Tensor,
-    partial: torch.Tensor,
+    partial: torch.Tensor | None,
     chunk: int,
     *,
     blocks: tuple[int, int] | None = None,
+    base: int = 0,
+    length: int | None = None,
 ) -> bool:
     """Fill ``partial`` (float64, ``(len(rows), blocks, tail)``) with each row's per-block
     tree sums of squared distances to ``aggregate``, after writing into ``aggregate`` the
     ``combine`` aggregate when it is given (else ``aggregate`` is read); for the blocks
     ``blocks = (first, end)`` of ``chunk`` values, default all of them. None rows stand
-    for the zero vector. Returns False, touching nothing, when the kernel is unavailable
-    or a tensor is not a contiguous CPU float32 one."""
+    for the zero vector; ``partial`` None asks for the ``combine`` aggregate alone. ``rows``
+    and ``aggregate`` may be spans of the vectors, starting at
+    position ``base`` of vectors of ``length`` values (default: they are whole). Returns
+    False, touching nothing, when the kernel is unavailable or a tensor is not a contiguous
+    CPU float32 one."""
     function = _function()
     if function is None or not _usable(aggregate):
         return False
     if any(row is not None and not _usable(row) for row in rows):
         return False
-    length = aggregate.numel()
-    n_rows, partial_blocks, tail = partial.shape
-    if partial.dtype != torch.float64 or not partial.is_contiguous() or chunk % tail:
-        return False
+    length = aggregate.numel() if length is None else length
+    if partial is None:
+        if combine is None:
+            return False
+        n_rows, partial_blocks, tail, partial_pointer = len(rows), 0, _AGGREGATE_TAIL, None
+    else:
+        n_rows, partial_blocks, tail = partial.shape
+        if partial.dtype != torch.float64 or not partial.is_contiguous() or chunk % tail:
+            return False
+        partial_pointer = partial.data_ptr()
     if isinstance(combine, Trimmed) and any(row is None for row in rows[: combine.n]):
         return False
     pointers = (ctypes.c_void_p * len(rows))(*[None if r is None else r.data_ptr() for r in rows])
@@ -178,8 +192,8 @@ def stream_pass(
         return int(
             function(
                 pointers, n_rows, mode, c_index, c_coefficients, count, c_pairs, n_pairs, trim,
-                dropped[task].data_ptr(), aggregate.data_ptr(), length,
-                begin, min(begin + per_task, last), tail, partial.data_ptr(), partial_blocks,
+                dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
+                begin, min(begin + per_task, last), tail, partial_pointer, partial_blocks,
             )
         )  # fmt: skip
 

@@ -82,6 +82,9 @@ static inline void trimmed_slice(const float *const *rows, int64_t n, const int6
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written).
+ * `rows[i]` and `aggregate` point at the values of position `base` (a span of the vectors);
+ * `length` and the blocks count positions of the whole vectors. A NULL `partial` asks for
+ * the aggregate alone (no distances).
  * mode GIVEN: `aggregate` is read; WEIGHTED: sum_k coefficients[k] * rows[combine[k]];
  * TRIMMED: rows 0..n_combine-1 sorted per coordinate by the comparators `pairs`, `trim`
  * dropped from each side, the drops counted into dropped[0..n_combine-1]. */
@@ -89,8 +92,8 @@ MULTIVERSION
 int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *combine_index, const float *coefficients, int64_t n_combine,
                     const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
-                    float *aggregate, int64_t length, int64_t block_begin, int64_t block_end,
-                    int64_t tail, double *partial, int64_t partial_blocks) {
+                    float *aggregate, int64_t length, int64_t base, int64_t block_begin,
+                    int64_t block_end, int64_t tail, double *partial, int64_t partial_blocks) {
     const int64_t slices = CHUNK / tail;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
@@ -121,16 +124,16 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             int64_t valid = length - offset;
             if (valid > tail) valid = tail;
             if (valid < 0) valid = 0;
-            float *agg = aggregate + offset;
+            float *agg = aggregate + (offset - base);
             if (mode == TRIMMED && valid > 0) {
                 trimmed_slice(rows, n_combine, pairs, n_pairs, trim, dropped, wires, tail,
-                              offset, valid, agg);
+                              offset - base, valid, agg);
             } else if (mode == WEIGHTED && valid > 0) {
-                const float *first = rows[combine_index[0]] + offset;
+                const float *first = rows[combine_index[0]] + (offset - base);
                 const float c0 = coefficients[0];
                 for (int64_t j = 0; j < valid; j++) agg[j] = first[j] * c0;
                 for (int64_t k = 1; k < n_combine; k++) {
-                    const float *row = rows[combine_index[k]] + offset;
+                    const float *row = rows[combine_index[k]] + (offset - base);
                     const float c = coefficients[k];
                     for (int64_t j = 0; j < valid; j++) {
                         const float product = row[j] * c;
@@ -138,8 +141,9 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     }
                 }
             }
+            if (partial == NULL) continue; /* the aggregate alone */
             for (int64_t i = 0; i < n_rows; i++) {
-                const float *row = rows[i] == NULL ? zeros : rows[i] + offset;
+                const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
                 for (int64_t j = 0; j < valid; j++) {
                     const double d = (double)(row[j] - agg[j]);
                     square[j] = d * d;
@@ -158,7 +162,7 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                 memcpy(levels_of_row + level * tail, square, sizeof(double) * (size_t)tail);
             }
         }
-        for (int64_t i = 0; i < n_rows; i++) {
+        for (int64_t i = 0; partial != NULL && i < n_rows; i++) {
             double *sum = stack + (i * levels + bits) * tail;
             memcpy(partial + (i * partial_blocks + block) * tail, sum,
                    sizeof(double) * (size_t)tail);

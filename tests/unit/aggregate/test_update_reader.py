@@ -1,0 +1,136 @@
+"""The streamed update reader and the streamed passes: the same bits as decoding whole.
+
+A reduction reads each update a window at a time (:class:`UpdateVector`); these tests pin
+that every span it decodes is bit for bit the span of ``decode_update``'s tensors, that
+blobs in a store read by range reduce to the same head as blobs in memory, and that the
+first pass (:func:`measure`) refuses what ``decode_update`` refuses. (Hostile blobs: the
+fuzz tests of ``test_codecs.py`` run both decoders on every case.)"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.aggregate import native
+from p2ptrain.aggregate.codecs import decode_update, make_encoder, max_update_bytes
+from p2ptrain.aggregate.cohort import Contribution
+from p2ptrain.aggregate.exact import CHUNK, flatten, norm64
+from p2ptrain.aggregate.rules import make_rule
+from p2ptrain.aggregate.rules_basic import WINDOW, TrimmedSpans, Workspace
+from p2ptrain.aggregate.screening import measure
+from p2ptrain.aggregate.update_reader import UpdateVector
+from p2ptrain.core.manifests import UPDATE_CODECS, AggregationSpec, CodecSpec
+from p2ptrain.core.tensors import schema_of
+from p2ptrain.errors import ProtocolViolation
+from p2ptrain.store.blobs import BlobStore
+from p2ptrain.store.kernel_build import ensure_kernel
+
+SEED = 20261128
+
+
+def model(seed: int = SEED) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"a.w": (37, 29), "a": (1000,), "b": (3,), "z": (300, 300), "e": (0,)}
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+CODECS = [(name, {}) for name in UPDATE_CODECS] + [
+    (name, {"block_size": 7}) for name in ("int8", "int4", "int2")
+]
+
+
+@pytest.mark.parametrize(("name", "config"), CODECS, ids=[f"{n}{c}" for n, c in CODECS])
+def test_every_span_decodes_to_the_bits_of_the_whole_decode(name: str, config: dict) -> None:
+    weights = model()
+    schema = schema_of(weights)
+    spec = CodecSpec(name=name, config=config)
+    blob = make_encoder(spec, schema).encode({k: v * 0.01 for k, v in weights.items()})
+    limit = max_update_bytes(spec, schema)
+    whole = flatten(decode_update(blob, spec, schema, max_bytes=limit)).view(torch.int32)
+    vector = UpdateVector(bytes(blob), spec, schema, max_bytes=limit)
+    assert vector.numel() == whole.numel()
+    draw = random.Random(SEED)
+    for _ in range(60):
+        start = draw.randrange(vector.numel())
+        end = draw.randrange(start, vector.numel() + 1)
+        assert torch.equal(vector[start:end].view(torch.int32), whole[start:end]), (
+            f"seed {SEED}: span {start}..{end} of {name} {config}"
+        )
+
+
+def test_a_stored_blob_reads_by_range_and_reduces_to_the_same_bits(tmp_path: Path) -> None:
+    """Updates of a model longer than one window, read from a blob store's files by range,
+    give the same norms and the same aggregate as the decoded tensors in memory."""
+    ensure_kernel()
+    generator = torch.Generator().manual_seed(SEED)
+    weights = {"p": torch.randn(WINDOW + 3 * CHUNK + 5, generator=generator), "q": torch.ones(9)}
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8")
+    encoder = make_encoder(spec, schema)
+    limit = max_update_bytes(spec, schema)
+    blobs = [
+        encoder.encode({k: v * (0.5 + i) + 0.01 * i for k, v in weights.items()}) for i in range(5)
+    ]
+    decoded = [flatten(decode_update(b, spec, schema, max_bytes=limit)) for b in blobs]
+    with BlobStore(tmp_path / "blobs") as store:
+        ids = [store.put(blob) for blob in blobs]
+        readers = [store.reader(blob_id) for blob_id in ids]
+        assert [r.verified_id for r in readers] == ids
+        vectors = [UpdateVector(r, spec, schema, max_bytes=limit) for r in readers]
+        assert measure(vectors) == [norm64(d) for d in decoded]
+        rule = make_rule(AggregationSpec(rule="trimmed_mean"))
+        streamed = rule.aggregate([Contribution(f"{i:02d}", v) for i, v in enumerate(vectors)])
+        whole = rule.aggregate([Contribution(f"{i:02d}", d) for i, d in enumerate(decoded)])
+        assert streamed.aggregate is not None and whole.aggregate is not None
+        assert torch.equal(streamed.aggregate.view(torch.int32), whole.aggregate.view(torch.int32))
+        assert streamed.diagnostics == whole.diagnostics
+        for reader in readers:
+            reader.close()
+
+
+def test_measure_names_the_updates_it_cannot_use() -> None:
+    """The first pass: a norm for a good update, the reason for a non-finite one or one
+    whose values are bad bytes (int8 code -128)."""
+    weights = {"w": torch.ones(100)}
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8")
+    limit = max_update_bytes(spec, schema)
+    good = make_encoder(spec, schema).encode({"w": torch.full((100,), 0.5)})
+    vectors = [UpdateVector(good, spec, schema, max_bytes=limit), torch.full((100,), 2.0)]
+    infinite = torch.ones(100)
+    infinite[57] = float("inf")
+    bad = bytearray(good)
+    q_start = bad.index(bytes([127] * 8))  # the codes of an all-0.5 tensor are all 127
+    bad[q_start + 3] = 0x80  # -128
+    vectors += [infinite, UpdateVector(bytes(bad), spec, schema, max_bytes=limit)]
+    norms = measure(vectors)
+    decoded = decode_update(good, spec, schema, max_bytes=limit)["w"]
+    assert norms[:2] == [norm64(decoded), 20.0]
+    assert isinstance(norms[2], str) and "not all finite" in norms[2]
+    assert isinstance(norms[3], str) and "-128" in norms[3]
+    with pytest.raises(ProtocolViolation, match="-128"):
+        vectors[3][0:100]
+
+
+def test_the_kernel_computes_an_aggregate_alone() -> None:
+    """``partial=None``: the trimmed mean of a span of rows, nothing else (screening's
+    centre), the same bits as with the distances."""
+    ensure_kernel()
+    if not native.available():
+        pytest.skip("no C compiler: the kernel is not built here")
+    generator = torch.Generator().manual_seed(SEED)
+    rows = [torch.randn(3 * CHUNK, generator=generator) for _ in range(5)]
+    full = torch.empty(3 * CHUNK)
+    partial = torch.zeros((5, 3, 256), dtype=torch.float64)
+    trimmed = TrimmedSpans(5, 1, Workspace()).native()
+    assert trimmed is not None
+    assert native.stream_pass(rows, trimmed, full, partial, CHUNK)
+    alone = torch.empty(2 * CHUNK)
+    spans = [row[CHUNK:] for row in rows]
+    assert native.stream_pass(
+        spans, trimmed, alone, None, CHUNK, blocks=(1, 3), base=CHUNK, length=3 * CHUNK
+    )
+    assert torch.equal(alone.view(torch.int32), full[CHUNK:].view(torch.int32))
