@@ -47,7 +47,7 @@ from typing import Final
 import torch
 
 from p2ptrain.aggregate.codec_dense import Int8Codec, PackedQuantCodec
-from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict
+from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict, read_layout
 from p2ptrain.errors import ProtocolViolation
 
 __all__ = [
@@ -79,7 +79,7 @@ def _sparse_is_smaller(nnz: int, numel: int) -> bool:
     return 6 * nnz + 4 * _chunks(numel) < 4 * numel
 
 
-def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
+def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytearray:
     """The canonical bytes of an aggregate (float32 CPU tensors, any names)."""
     container = _tagged()
     for name, tensor in tensors.items():
@@ -92,7 +92,7 @@ def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytes:
         container[f"{name}/counts"] = counts.to(torch.int32)
         container[f"{name}/offsets"] = (stored % _CHUNK - _OFFSET_BIAS).to(torch.int16)
         container[f"{name}/values"] = flat[stored]
-    return bytes(encode_state_dict(container))
+    return encode_state_dict(container)
 
 
 def _tagged() -> dict[str, torch.Tensor]:
@@ -102,13 +102,26 @@ def _tagged() -> dict[str, torch.Tensor]:
 
 def settle_aggregate(
     tensors: Mapping[str, torch.Tensor], precision: str = "fp32"
-) -> tuple[dict[str, torch.Tensor], bytes]:
+) -> tuple[dict[str, torch.Tensor], bytearray]:
     """(what the outer step applies, the canonical blob) of an aggregate at the manifest's
-    ``aggregation.precision``: the tensors themselves and :func:`encode_aggregate`'s bytes
-    (``fp32``), or their rounding and its codes (``int8``, ``int4``, ``int2``: see the module
-    docstring)."""
+    ``aggregation.precision``: the tensors' values and :func:`encode_aggregate`'s bytes
+    (``fp32``; a tensor stored dense is given as a view of the blob, so the caller may drop
+    its own copy), or their rounding and its codes (``int8``, ``int4``, ``int2``: see the
+    module docstring)."""
     if precision == "fp32":
-        return dict(tensors), encode_aggregate(tensors)
+        blob = encode_aggregate(tensors)
+        layout = read_layout(lambda offset, length: blob[offset : offset + length], len(blob))
+        values = dict(tensors)
+        for name, tensor in tensors.items():
+            slot = layout.slots.get(f"{name}/dense")
+            if slot is not None and tensor.numel():
+                values[name] = torch.frombuffer(
+                    blob,
+                    dtype=torch.float32,
+                    offset=layout.data_start + slot.begin,
+                    count=tensor.numel(),
+                ).view(tensor.shape)
+        return values, blob
     quantiser = _QUANTISERS[precision]
     container = _tagged()
     rounded: dict[str, torch.Tensor] = {}
@@ -118,7 +131,7 @@ def settle_aggregate(
         rounded[name] = quantiser.decode(spec, parts)
         for part, value in parts.items():
             container[f"{name}/{part}"] = value
-    return rounded, bytes(encode_state_dict(container))
+    return rounded, encode_state_dict(container)
 
 
 def decode_aggregate(

@@ -132,13 +132,15 @@ def flatten(tensors: Tensors, names: Sequence[str] | None = None) -> torch.Tenso
     return torch.cat(parts)
 
 
-def unflatten(vector: torch.Tensor, like: Tensors) -> dict[str, torch.Tensor]:
-    """Split a vector made by :func:`flatten` back into tensors shaped like ``like``."""
+def unflatten(vector: torch.Tensor, like: Tensors, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Split a vector made by :func:`flatten` back into tensors shaped like ``like`` (views
+    of ``vector`` with ``copy=False``)."""
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name in sorted(like):
         count = like[name].numel()
-        out[name] = vector[offset : offset + count].reshape(like[name].shape).clone()
+        view = vector[offset : offset + count].reshape(like[name].shape)
+        out[name] = view.clone() if copy else view
         offset += count
     if offset != vector.numel():
         raise LocalError(f"vector has {vector.numel()} values, the tensors hold {offset}")

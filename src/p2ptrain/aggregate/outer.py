@@ -15,7 +15,7 @@ blob; an empty state means zeros. Inputs are never modified.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple, Protocol
 
 import torch
@@ -55,6 +55,23 @@ class OuterOptimizer(Protocol):
     def step(
         self, params: Tensors, pseudo_gradient: Tensors, state: Tensors | None = None
     ) -> OuterStep: ...
+
+    def state_names(self, params: Iterable[str]) -> dict[str, str]:
+        """The state entries a step writes: state name -> the parameter it belongs to."""
+        ...
+
+    def step_into(
+        self,
+        params: Tensors,
+        pseudo_gradient: Tensors,
+        state: Tensors | None,
+        *,
+        new_params: Tensors,
+        new_state: Tensors,
+    ) -> None:
+        """:meth:`step`, writing into the given tensors (shaped like the parameters; for
+        the state, named by :meth:`state_names`), which share no memory with the inputs."""
+        ...
 
 
 def _float32(value: float) -> float:
@@ -138,25 +155,38 @@ class OuterSGD:
         self.lr = lr
         self._lr32 = _float32(lr)
 
+    def state_names(self, params: Iterable[str]) -> dict[str, str]:
+        return {}
+
     def step(
         self, params: Tensors, pseudo_gradient: Tensors, state: Tensors | None = None
     ) -> OuterStep:
         """New weights; SGD keeps no state, so ``state`` must be empty."""
+        new_params = {name: torch.empty(theta.shape) for name, theta in params.items()}
+        self.step_into(params, pseudo_gradient, state, new_params=new_params, new_state={})
+        return OuterStep(new_params, {})
+
+    def step_into(
+        self,
+        params: Tensors,
+        pseudo_gradient: Tensors,
+        state: Tensors | None,
+        *,
+        new_params: Tensors,
+        new_state: Tensors,
+    ) -> None:
         _check_tensors(params, pseudo_gradient)
         if state:
             raise LocalError("outer SGD keeps no state; pass an empty state")
         scratch = torch.empty(CHUNK, dtype=torch.float32)
-        new_params: dict[str, torch.Tensor] = {}
         for name, theta in params.items():
-            new = torch.empty(theta.shape, dtype=torch.float32)
-            theta_flat, g_flat, new_flat = _flat(theta), _flat(pseudo_gradient[name]), _flat(new)
+            theta_flat, g_flat = _flat(theta), _flat(pseudo_gradient[name])
+            new_flat = _flat(new_params[name])
             for start in range(0, new_flat.numel(), CHUNK):
                 end = min(start + CHUNK, new_flat.numel())
                 step = scratch[: end - start]
                 torch.mul(g_flat[start:end], self._lr32, out=step)
                 torch.sub(theta_flat[start:end], step, out=new_flat[start:end])
-            new_params[name] = new
-        return OuterStep(new_params, {})
 
 
 class OuterNesterov:
@@ -172,30 +202,42 @@ class OuterNesterov:
         self.lr, self.momentum = lr, momentum
         self._lr32, self._mu32 = _float32(lr), _float32(momentum)
 
+    def state_names(self, params: Iterable[str]) -> dict[str, str]:
+        return {MOMENTUM_PREFIX + name: name for name in params}
+
     def step(
         self, params: Tensors, pseudo_gradient: Tensors, state: Tensors | None = None
     ) -> OuterStep:
         """New weights and momentum buffers (``state`` empty or None: zero momentum)."""
+        new_params = {name: torch.empty(theta.shape) for name, theta in params.items()}
+        new_state = {
+            key: torch.empty(params[name].shape) for key, name in self.state_names(params).items()
+        }
+        self.step_into(params, pseudo_gradient, state, new_params=new_params, new_state=new_state)
+        return OuterStep(new_params, new_state)
+
+    def step_into(
+        self,
+        params: Tensors,
+        pseudo_gradient: Tensors,
+        state: Tensors | None,
+        *,
+        new_params: Tensors,
+        new_state: Tensors,
+    ) -> None:
         _check_tensors(params, pseudo_gradient)
         momentum = _momentum(params, state)
         scratch = torch.empty(CHUNK, dtype=torch.float32)
-        new_params: dict[str, torch.Tensor] = {}
-        new_state: dict[str, torch.Tensor] = {}
         for name, theta in params.items():
-            new_theta = torch.empty(theta.shape, dtype=torch.float32)
-            new_buffer = torch.empty(theta.shape, dtype=torch.float32)
             old = momentum[name]
             self._stream(
                 _flat(theta),
                 _flat(pseudo_gradient[name]),
                 None if old is None else _flat(old),
-                new_theta=_flat(new_theta),
-                new_buffer=_flat(new_buffer),
+                new_theta=_flat(new_params[name]),
+                new_buffer=_flat(new_state[MOMENTUM_PREFIX + name]),
                 scratch=scratch,
             )
-            new_params[name] = new_theta
-            new_state[MOMENTUM_PREFIX + name] = new_buffer
-        return OuterStep(new_params, new_state)
 
     def _stream(
         self,

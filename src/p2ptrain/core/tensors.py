@@ -48,6 +48,7 @@ __all__ = [
     "Schema",
     "TensorSlot",
     "TensorSpec",
+    "blank_state_blob",
     "decode_state_dict",
     "encode_state_dict",
     "read_layout",
@@ -216,6 +217,38 @@ def encode_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytearray:
             region.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         position += tensor.nbytes
     return blob
+
+
+def blank_state_blob(schema: Iterable[TensorSpec]) -> tuple[bytearray, dict[str, torch.Tensor]]:
+    """The blob of a state dict of ``schema`` (float32 entries) before its values are
+    written, and its tensors as views into the blob's bytes, by name (sorted): once they
+    are filled, the blob is byte for byte ``encode_state_dict`` of them, with no copy. The
+    tensors are float32 in sorted-name order, so the data section is their flattening
+    (:func:`~p2ptrain.aggregate.exact.flatten`'s order). The views keep the blob alive;
+    whoever shares the blob must not write to them afterwards."""
+    _require_little_endian()
+    specs = _sorted_schema(schema)
+    for spec in specs:
+        if spec.dtype != "float32":
+            raise LocalError(f"a blank state blob holds float32 tensors; {spec.name!r} is not")
+    shapes = [
+        (spec.name, torch.empty(spec.shape, dtype=torch.float32, device="meta")) for spec in specs
+    ]
+    prefix = _prefix(shapes, _hash_sorted_schema(specs))
+    data_len = sum(tensor.nbytes for _, tensor in shapes)
+    blob = bytearray(len(prefix) + data_len)
+    blob[: len(prefix)] = prefix
+    views: dict[str, torch.Tensor] = {}
+    position = len(prefix)
+    for name, tensor in shapes:
+        count = tensor.numel()
+        if count:
+            flat = torch.frombuffer(blob, dtype=torch.float32, offset=position, count=count)
+        else:
+            flat = torch.empty(0, dtype=torch.float32)
+        views[name] = flat.view(tensor.shape)
+        position += tensor.nbytes
+    return blob, views
 
 
 def _prefix(tensors: list[tuple[str, torch.Tensor]], schema: str) -> bytes:

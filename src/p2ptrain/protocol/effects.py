@@ -54,7 +54,7 @@ class StoreBlob:
     """Keep these bytes (peers fetch them by hash); ``blob_id``, their hash when known: a
     transport that holds it already skips the write."""
 
-    data: bytes
+    data: bytes | bytearray
     blob_id: str | None = None
 
 
@@ -65,7 +65,7 @@ class KeepState:
     that does not hold them yet (a state fetched from a peer is held already)."""
 
     head: Head
-    blobs: Callable[[], tuple[bytes, bytes | None] | None]
+    blobs: Callable[[], tuple[bytes | bytearray, bytes | bytearray | None] | None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,7 @@ class Follower:
         if sha256_hex(_encoded(genesis_weights)) != tip.head.weights_blob:
             raise ProtocolViolation("the genesis weights do not match manifest.genesis_weights")
         self.base = BaseState(tip.head, tip.head_id, dict(genesis_weights), None)
-        self._served: tuple[str, tuple[bytes, bytes | None]] | None = None
+        self._served: tuple[str, tuple[bytes | bytearray, bytes | bytearray | None]] | None = None
         #: The highest height a provider's verified page said its chain reaches.
         self._tip_seen = 0
         #: Why the base cannot reach the chain's tip now (no provider holds a state).
@@ -252,7 +252,7 @@ class Follower:
             bases.append(link.head_id)
         return tuple(bases)
 
-    def aggregate_of(self, head_id: str) -> bytes | None:
+    def aggregate_of(self, head_id: str) -> bytes | bytearray | None:
         """The encoded aggregate of ``head_id``, if this role holds it (to serve peers)."""
         return self.base.aggregate if head_id == self.base.head_id else None
 
@@ -352,7 +352,7 @@ class Follower:
             return [Reported(peer_id_of(sender), state)]
         return self._adopt(now, state, verdict.reason)
 
-    def state_of(self, head_id: str) -> tuple[bytes, bytes | None] | None:
+    def state_of(self, head_id: str) -> tuple[bytes | bytearray, bytes | bytearray | None] | None:
         """The encoded weights and optimizer state of ``head_id``, if held (to serve a
         peer's :class:`FetchState`); only the current base is kept."""
         if head_id != self.base.head_id:
@@ -499,10 +499,10 @@ class ChainRole:
     def window_bases(self) -> tuple[str, ...]:
         return self.follower.window_bases()
 
-    def state_of(self, head_id: str) -> tuple[bytes, bytes | None] | None:
+    def state_of(self, head_id: str) -> tuple[bytes | bytearray, bytes | bytearray | None] | None:
         return self.follower.state_of(head_id)
 
-    def aggregate_of(self, head_id: str) -> bytes | None:
+    def aggregate_of(self, head_id: str) -> bytes | bytearray | None:
         return self.follower.aggregate_of(head_id)
 
 

@@ -27,14 +27,14 @@ from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
-from p2ptrain.aggregate.screening import Checked, measure, screen_cohort
+from p2ptrain.aggregate.screening import Checked, ScreeningOutcome, measure, screen_cohort
 from p2ptrain.aggregate.update_reader import ByteSource, UpdateVector, source_of
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, Rejection, Update
-from p2ptrain.core.tensors import encode_state_dict, schema_of
+from p2ptrain.core.tensors import TensorSpec, blank_state_blob, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.quarantine import excluded_until, next_standings
@@ -64,7 +64,7 @@ class BaseState:
     optimizer_state: Tensors | None = None
     #: The encoded aggregate that stepped the parent to this head, when this role holds it
     #: (it computed the head or applied the aggregate itself): peers fetch it from us.
-    aggregate: bytes | None = None
+    aggregate: bytes | bytearray | None = None
 
     @property
     def window(self) -> int:
@@ -94,10 +94,10 @@ class Reduction:
     head: Head | None = None
     head_id: str | None = None
     weights: dict[str, torch.Tensor] | None = None
-    weights_blob: bytes | None = None
+    weights_blob: bytes | bytearray | None = None
     optimizer_state: dict[str, torch.Tensor] | None = None
-    optimizer_blob: bytes | None = None
-    aggregate_blob: bytes | None = None
+    optimizer_blob: bytes | bytearray | None = None
+    aggregate_blob: bytes | bytearray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,24 +106,40 @@ class Stepped:
     ``weights_blob`` and ``optimizer_blob`` are their hashes)."""
 
     weights: dict[str, torch.Tensor]
-    weights_blob: bytes
+    weights_blob: bytes | bytearray
     optimizer_state: dict[str, torch.Tensor] | None
-    optimizer_blob: bytes | None
+    optimizer_blob: bytes | bytearray | None
 
 
 def outer_step(manifest: ExperimentManifest, base: BaseState, pseudo_gradient: Tensors) -> Stepped:
     """The manifest's outer step of ``base`` by the aggregate ``pseudo_gradient``: what a
     reducer or validator computes for its proposal, and what a follower holding ``base``
-    computes from the head's aggregate (the same bits, so the same hashes)."""
-    step = make_outer_optimizer(manifest.outer_optimizer).step(
-        base.weights, pseudo_gradient, base.optimizer_state
+    computes from the head's aggregate (the same bits, so the same hashes). The new weights
+    and state are written straight into their blobs' bytes (the tensors are views of them):
+    encoding them costs no copy."""
+    optimizer = make_outer_optimizer(manifest.outer_optimizer)
+    schema = schema_of(base.weights)
+    weights_blob, weights = blank_state_blob(schema)
+    specs = {spec.name: spec for spec in schema}
+    state_names = optimizer.state_names(specs)
+    optimizer_blob: bytearray | None = None
+    state: dict[str, torch.Tensor] = {}
+    if state_names:
+        optimizer_blob, state = blank_state_blob(
+            TensorSpec(key, specs[name].shape, "float32") for key, name in state_names.items()
+        )
+    optimizer.step_into(
+        base.weights,
+        pseudo_gradient,
+        base.optimizer_state,
+        new_params=weights,
+        new_state=state,
     )
-    state = dict(step.state) if step.state else None
     return Stepped(
-        weights=step.params,
-        weights_blob=bytes(encode_state_dict(step.params)),
-        optimizer_state=state,
-        optimizer_blob=None if state is None else bytes(encode_state_dict(state)),
+        weights=weights,
+        weights_blob=weights_blob,
+        optimizer_state=state or None,
+        optimizer_blob=optimizer_blob,
     )
 
 
@@ -184,6 +200,63 @@ def _admit(
     return None, True
 
 
+class _Verdicts:
+    """A cohort's rejections as a reduction reaches them, and the strikes they carry."""
+
+    def __init__(self, ordered: Sequence[Submission]) -> None:
+        self.trainer_of = {s.update_id: s.update.trainer_id for s in ordered}
+        self.rejections: dict[str, Reason] = {}
+        self.struck: dict[str, Reason] = {}
+
+    def reject(self, update_id: str, problem: Reason, strike: bool = True) -> None:
+        self.rejections[update_id] = problem
+        if strike:
+            self.struck[self.trainer_of[update_id]] = problem
+
+    def rejected(self) -> tuple[Rejection, ...]:
+        return tuple(Rejection(update_id=i, reason=r) for i, r in sorted(self.rejections.items()))
+
+    def screen(
+        self,
+        manifest: ExperimentManifest,
+        base: BaseState,
+        ordered: Sequence[Submission],
+        leases: LeaseBook,
+    ) -> ScreeningOutcome:
+        """Admit, open, read once (:func:`measure`) and screen the cohort's updates."""
+        per_trainer = Counter(s.update.trainer_id for s in ordered)
+        schema = schema_of(base.weights)
+        limit = max_update_bytes(manifest.codec, schema)
+        opened: list[tuple[Submission, UpdateVector]] = []
+        for submission in ordered:
+            repeated = per_trainer[submission.update.trainer_id] > 1
+            problem, strike = _admit(manifest, base, submission, leases, repeated)
+            if problem is not None:
+                self.reject(submission.update_id, problem, strike)
+                continue
+            try:
+                # only the blob's headers are read here; its values, a window at a time
+                vector = UpdateVector(submission.blob, manifest.codec, schema, max_bytes=limit)
+            except ProtocolViolation:
+                self.reject(submission.update_id, Reason(Code.UNDECODABLE))
+            else:
+                opened.append((submission, vector))
+        # the first pass reads every value of every update once: bad values, non-finite ones
+        candidates: list[Checked] = []
+        norms = measure([vector for _, vector in opened])
+        for (submission, vector), norm in zip(opened, norms, strict=True):
+            if isinstance(norm, str):
+                self.reject(submission.update_id, Reason(Code.UNDECODABLE))
+            else:
+                weight = float(submission.update.lease_samples)
+                candidates.append(Checked(submission.update_id, vector, weight, norm))
+        outcome = screen_cohort(candidates, schema, manifest.screening)
+        for screened in outcome.verdicts:
+            if screened.reason is not None:
+                self.reject(screened.update_id, screened.reason)
+        return outcome
+
+
 def reduce_window(
     manifest: ExperimentManifest,
     base: BaseState,
@@ -206,49 +279,10 @@ def reduce_window(
         verdict = belongs_to_window(leases.experiment_id, base, submission.update, bases)
         if not verdict:
             raise LocalError(f"update {submission.update_id[:12]}: {verdict.reason}")
-    per_trainer = Counter(s.update.trainer_id for s in ordered)
-    schema = schema_of(base.weights)
-    limit = max_update_bytes(manifest.codec, schema)
-    rejections: dict[str, Reason] = {}
-    struck: dict[str, Reason] = {}
-    opened: list[tuple[Submission, UpdateVector]] = []
-    trainer_of: dict[str, str] = {}
-
-    def reject(update_id: str, problem: Reason, strike: bool = True) -> None:
-        rejections[update_id] = problem
-        if strike:
-            struck[trainer_of[update_id]] = problem
-
-    for submission in ordered:
-        update = submission.update
-        trainer_of[submission.update_id] = update.trainer_id
-        problem, strike = _admit(
-            manifest, base, submission, leases, per_trainer[update.trainer_id] > 1
-        )
-        if problem is not None:
-            reject(submission.update_id, problem, strike)
-            continue
-        try:
-            # only the blob's headers are read here; its values, a window at a time
-            vector = UpdateVector(submission.blob, manifest.codec, schema, max_bytes=limit)
-        except ProtocolViolation:
-            reject(submission.update_id, Reason(Code.UNDECODABLE))
-        else:
-            opened.append((submission, vector))
-    # the first pass reads every value of every update once: bad values, non-finite ones
-    candidates: list[Checked] = []
-    for (submission, vector), norm in zip(opened, measure([v for _, v in opened]), strict=True):
-        if isinstance(norm, str):
-            reject(submission.update_id, Reason(Code.UNDECODABLE))
-        else:
-            weight = float(submission.update.lease_samples)
-            candidates.append(Checked(submission.update_id, vector, weight, norm))
-    outcome = screen_cohort(candidates, schema, manifest.screening)
-    for screened in outcome.verdicts:
-        if screened.reason is not None:
-            reject(screened.update_id, screened.reason)
+    verdicts = _Verdicts(ordered)
+    outcome = verdicts.screen(manifest, base, ordered, leases)
     accepted = tuple(c.update_id for c in outcome.contributions)
-    rejected = tuple(Rejection(update_id=i, reason=r) for i, r in sorted(rejections.items()))
+    rejected = verdicts.rejected()
 
     def without_head(reason: str) -> Reduction:
         return Reduction(window=window, accepted=accepted, rejected=rejected, reason=reason)
@@ -261,15 +295,18 @@ def reduce_window(
     result = make_rule(manifest.aggregation).aggregate(outcome.contributions, outcome.failures)
     if result.aggregate is None:
         return without_head(f"aggregation produced nothing: {result.reason}")
+    rule_reason = result.reason
     pseudo_gradient, aggregate_blob = settle_aggregate(
-        unflatten(result.aggregate, base.weights), manifest.aggregation.precision
+        unflatten(result.aggregate, base.weights, copy=False), manifest.aggregation.precision
     )
+    del result, outcome  # the aggregate's values are in its blob now
     step = outer_step(manifest, base, pseudo_gradient)
+    del pseudo_gradient
     standings = next_standings(
         base.head.quarantine,
         window,
-        accepted=[trainer_of[i] for i in accepted],
-        rejected=struck,
+        accepted=[verdicts.trainer_of[i] for i in accepted],
+        rejected=verdicts.struck,
         spec=manifest.screening,
     )
     head = Head(
@@ -286,7 +323,7 @@ def reduce_window(
         window=window,
         accepted=accepted,
         rejected=rejected,
-        reason=f"{len(accepted)} accepted, {len(rejected)} rejected; {result.reason}",
+        reason=f"{len(accepted)} accepted, {len(rejected)} rejected; {rule_reason}",
         head=head,
         head_id=head.id,
         weights=step.weights,
