@@ -84,10 +84,10 @@ def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytearray:
     container = _tagged()
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
-        stored = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
-        if not _sparse_is_smaller(stored.numel(), flat.numel()):
+        if not _sparse_is_smaller(int(torch.count_nonzero(flat.view(torch.int32))), flat.numel()):
             container[f"{name}/dense"] = flat.reshape(tensor.shape)
             continue
+        stored = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
         counts = torch.bincount(stored // _CHUNK, minlength=_chunks(flat.numel()))
         container[f"{name}/counts"] = counts.to(torch.int32)
         container[f"{name}/offsets"] = (stored % _CHUNK - _OFFSET_BIAS).to(torch.int16)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -35,7 +36,7 @@ from p2ptrain.aggregate.cohort import (
     in_canonical_order,
 )
 from p2ptrain.aggregate.exact import CHUNK
-from p2ptrain.errors import LocalError
+from p2ptrain.errors import LocalError, ProtocolViolation
 
 #: Values per span of a streamed pass: whole chunks, so the float64 sums keep their tree.
 SPAN = 2 * CHUNK
@@ -123,11 +124,13 @@ class RowSums:
         span: tuple[int, int] | None = None,
         *,
         base: int = 0,
+        products: bool = False,
     ) -> bool:
         """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
         (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
         when it is given; False (nothing done) when the kernel cannot take them. ``rows``
-        and ``aggregate`` may be spans that start at value ``base``."""
+        and ``aggregate`` may be spans that start at value ``base``. The terms are squared
+        differences from the aggregate, or with ``products`` products with it."""
         if self.width != CHUNK or len(rows) != self._partial.shape[0]:
             return False
         tensors: list[torch.Tensor | None] = []
@@ -145,6 +148,7 @@ class RowSums:
             blocks=blocks,
             base=base,
             length=self.length,
+            products=products,
         )
 
     def _blocks(self, start: int, end: int) -> int:
@@ -206,6 +210,44 @@ def windows(length: int, span: int) -> Iterator[tuple[int, int]]:
         yield first, min(first + step, length)
 
 
+@functools.cache
+def _readers(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="p2ptrain-read")
+
+
+def read_window(
+    vectors: Sequence[FlatVector | None], first: int, last: int
+) -> list[torch.Tensor | ProtocolViolation | None]:
+    """Each vector's values ``first .. last`` (None stays None): tensors are sliced, updates
+    read and decoded -- on as many threads as torch may use (the reads and the decoding
+    release the GIL). A read that raises :class:`ProtocolViolation` gives the violation."""
+
+    def read(vector: FlatVector | None) -> torch.Tensor | ProtocolViolation | None:
+        if vector is None:
+            return None
+        try:
+            return vector[first:last]
+        except ProtocolViolation as violation:
+            return violation
+
+    threads = torch.get_num_threads()
+    if threads == 1 or _in_memory(vectors) or len(vectors) < 2:
+        return [read(vector) for vector in vectors]
+    return list(_readers(threads).map(read, vectors))
+
+
+def _window(
+    vectors: Sequence[FlatVector | None], first: int, last: int
+) -> list[torch.Tensor | None]:
+    """:func:`read_window` of vectors that passed the first pass (no read can fail)."""
+    spans: list[torch.Tensor | None] = []
+    for span in read_window(vectors, first, last):
+        if isinstance(span, ProtocolViolation):
+            raise span
+        spans.append(span)
+    return spans
+
+
 def _in_memory(vectors: Sequence[FlatVector | None]) -> bool:
     return all(vector is None or isinstance(vector, torch.Tensor) for vector in vectors)
 
@@ -235,7 +277,7 @@ def stream_pass(
     ):
         return aggregate, sums.totals()
     for first, last in windows(length, sums.span):
-        spans = [None if v is None else v[first:last] for v in inputs]
+        spans = _window(inputs, first, last)
         if native_combine is not None and sums.fill_natively(
             spans, native_combine, aggregate[first:last], (first, last), base=first
         ):

@@ -35,6 +35,7 @@ from p2ptrain.aggregate.rules_basic import (
     check_int_setting,
     float32,
     no_aggregate,
+    read_window,
     result,
     shares,
     stream_pass,
@@ -52,7 +53,9 @@ def pairwise_squared_distances(
     sums = RowSums(n * (n - 1) // 2, length, max(1, n - 1), workspace)
     stack32 = workspace.get("pairwise.stack", n * min(sums.span, length), torch.float32)
     for first, last in windows(length, sums.span):
-        spans = [vector[first:last] for vector in vectors]
+        spans = [
+            span for span in read_window(vectors, first, last) if isinstance(span, torch.Tensor)
+        ]
         for start in range(first, last, sums.span):
             end = min(start + sums.span, last)
             stack = stack32[: n * (end - start)].view(n, end - start)

@@ -18,10 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from p2ptrain.aggregate import native
 from p2ptrain.aggregate.cohort import Contribution, Failure, FlatVector
-from p2ptrain.aggregate.exact import CHUNK, all_finite, flatten
-from p2ptrain.aggregate.rules_basic import RowSums, TrimmedSpans, Workspace, windows
+from p2ptrain.aggregate.exact import all_finite, flatten
+from p2ptrain.aggregate.rules_basic import (
+    RowSums,
+    TrimmedSpans,
+    Workspace,
+    read_window,
+    windows,
+)
 from p2ptrain.core.manifests import ScreeningSpec
 from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.tensors import TensorSpec
@@ -101,20 +106,21 @@ def measure(vectors: Sequence[FlatVector], workspace: Workspace | None = None) -
     n, length = len(vectors), vectors[0].numel()
     sums = RowSums(n, length, n, workspace or Workspace())
     problems: dict[int, str] = {}
+    zeros = torch.zeros(min(length, max(sums.span, next(windows(length, sums.span))[1])))
     for first, last in windows(length, sums.span):
         spans: list[torch.Tensor | None] = []
-        for i, vector in enumerate(vectors):
-            span = None
-            if i not in problems:
-                try:
-                    span = vector[first:last]
-                except ProtocolViolation as violation:
-                    problems[i] = str(violation)
-                else:
-                    if not all_finite(span):
-                        problems[i] = f"values {first}..{last} are not all finite"
-                        span = None
-            spans.append(span)
+        live = [None if i in problems else vector for i, vector in enumerate(vectors)]
+        for i, read in enumerate(read_window(live, first, last)):
+            if isinstance(read, ProtocolViolation):
+                problems[i] = str(read)
+            elif read is not None and not all_finite(read):
+                problems[i] = f"values {first}..{last} are not all finite"
+            # a refused row counts as zeros from here on
+            usable = isinstance(read, torch.Tensor) and i not in problems
+            spans.append(read if usable and isinstance(read, torch.Tensor) else None)
+        # squared distances from zero are the squares (x - 0 is x): the kernel's tree
+        if sums.fill_natively(spans, None, zeros[: last - first], (first, last), base=first):
+            continue
         for start in range(first, last, sums.span):
             end = min(start + sums.span, last)
             terms = sums.terms(start, end, n)
@@ -217,22 +223,20 @@ def _centre_products(vectors: Sequence[FlatVector]) -> tuple[list[float], float]
     width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
     centre = torch.empty(width, dtype=torch.float32)
     for first, last in windows(length, sums.span):
-        spans = [vector[first:last] for vector in vectors]
+        spans = [
+            span for span in read_window(vectors, first, last) if isinstance(span, torch.Tensor)
+        ]
         window = centre[: last - first]
-        natively = (
-            kernel is not None
-            and sums.width == CHUNK
-            and native.stream_pass(
-                spans, kernel, window, None, CHUNK,
-                blocks=(first // CHUNK, -(-last // CHUNK)), base=first, length=length,
-            )
-        )  # fmt: skip
+        # the centre itself is the last row: its product with itself is its squared norm
+        if kernel is not None and sums.fill_natively(
+            [*spans, window], kernel, window, (first, last), base=first, products=True
+        ):
+            continue
         for start in range(first, last, sums.span):
             end = min(start + sums.span, last)
             local = slice(start - first, end - first)
             span = window[local]
-            if not natively:
-                median.combine(start, [row[local] for row in spans], span)
+            median.combine(start, [row[local] for row in spans], span)
             terms = sums.terms(start, end, n + 1)
             for i, row in enumerate(spans):
                 terms[i].copy_(row[local])

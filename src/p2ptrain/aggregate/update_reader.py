@@ -28,6 +28,7 @@ from typing import Final, Protocol
 
 import torch
 
+from p2ptrain.aggregate import native
 from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec, PackedQuantCodec
 from p2ptrain.aggregate.codecs import (
     HEADER_TENSOR,
@@ -200,6 +201,8 @@ class UpdateVector:
             out.copy_(self._part(parameter, "values", low, high))  # an exact widening
         elif isinstance(codec, Int8Codec):
             q = self._part(parameter, "q", low, high)
+            if self._native_int8(parameter, q, (low, high), codec.block_size, out):
+                return
             if q.numel() and int(q.min()) == -128:
                 raise ProtocolViolation(f"int8 codes of {name!r} hold -128; codes lie in ±127")
             self._dequantise(parameter, q, (low, high), block_size=codec.block_size, out=out)
@@ -208,6 +211,30 @@ class UpdateVector:
             self._dequantise(parameter, q, (low, high), block_size=codec.block_size, out=out)
         else:
             out.copy_(self._whole_parameter(parameter)[low:high])
+
+    def _native_int8(
+        self,
+        parameter: _Parameter,
+        q: torch.Tensor,
+        span: tuple[int, int],
+        block_size: int,
+        out: torch.Tensor,
+    ) -> bool:
+        """The int8 decode of ``span`` by the C kernel, with the same checks; False when
+        the kernel is not there."""
+        low, high = span
+        first_block, last_block = low // block_size, (high - 1) // block_size + 1
+        scale = self._part(parameter, "scale", first_block, last_block)
+        lead = low - first_block * block_size
+        status = native.dequantise_int8(q, scale, block_size, lead, out)
+        if status is None:
+            return False
+        name = parameter.spec.name
+        if status == 1:
+            raise ProtocolViolation(f"int8 codes of {name!r} hold -128; codes lie in ±127")
+        if status:
+            raise ProtocolViolation(f"int8 scales of {name!r} must be finite and >= 0")
+        return True
 
     def _dequantise(
         self,

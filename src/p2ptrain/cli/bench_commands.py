@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -170,7 +171,12 @@ def _add_trainer_memory(sub: Any) -> None:
     reduce.add_argument("--updates", type=int, required=True, help="updates in the cohort")
     reduce.add_argument("--rule", default="trimmed_mean", help="aggregation rule (trimmed_mean)")
     reduce.add_argument("--codec", default="int8", help="update codec (int8)")
-    reduce.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    reduce.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="threads for the reduction (default: this machine's cores, as a validator uses)",
+    )
     reduce.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     reduce.add_argument("--json", action="store_true", help="print one JSON object")
     reduce.set_defaults(handler=run_reduce)

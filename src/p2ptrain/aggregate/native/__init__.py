@@ -32,6 +32,7 @@ __all__ = [
     "Trimmed",
     "Weighted",
     "available",
+    "dequantise_int8",
     "install_kernel",
     "installed_loader",
     "stream_pass",
@@ -58,6 +59,7 @@ def install_kernel(loader: KernelLoader | None) -> None:
     global _loader  # noqa: PLW0603 - the one process-wide kernel, as a C library is
     _loader = loader
     _function.cache_clear()
+    _dequantise.cache_clear()
 
 
 def installed_loader() -> KernelLoader | None:
@@ -91,8 +93,51 @@ def _function() -> Any | None:
         ctypes.c_int64,  # tail
         ctypes.c_void_p,  # partial
         ctypes.c_int64,  # partial_blocks
+        ctypes.c_int64,  # products
     ]
     return function
+
+
+@functools.cache
+def _dequantise() -> Any | None:
+    library = None if _loader is None else _loader()
+    if library is None:
+        return None
+    function = library.p2p_dequantise_int8
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.c_void_p,  # q
+        ctypes.c_void_p,  # scale
+        ctypes.c_int64,  # n
+        ctypes.c_int64,  # block_size
+        ctypes.c_int64,  # lead
+        ctypes.c_void_p,  # out
+    ]
+    return function
+
+
+def dequantise_int8(
+    q: torch.Tensor, scale: torch.Tensor, block_size: int, lead: int, out: torch.Tensor
+) -> int | None:
+    """``out[j] = q[j] * scale[(lead + j) // block_size]`` (the int8 codec's decode, the same
+    bits) by the kernel: 0, or 1 when a code is -128, or 2 when a scale is negative or not
+    finite; None (nothing done) when the kernel is unavailable or a tensor does not fit."""
+    function = _function() and _dequantise()
+    if function is None:
+        return None
+    fits = (
+        q.dtype == torch.int8
+        and scale.dtype == torch.float32
+        and out.dtype == torch.float32
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (q, scale, out))
+        and q.numel() == out.numel()
+        and scale.numel() >= (lead + q.numel() - 1) // block_size + 1
+    )
+    if not fits:
+        return None
+    return int(
+        function(q.data_ptr(), scale.data_ptr(), q.numel(), block_size, lead, out.data_ptr())
+    )
 
 
 def tried() -> bool:
@@ -142,6 +187,7 @@ def stream_pass(
     blocks: tuple[int, int] | None = None,
     base: int = 0,
     length: int | None = None,
+    products: bool = False,
 ) -> bool:
     """Fill ``partial`` (float64, ``(len(rows), blocks, tail)``) with each row's per-block
     tree sums of squared distances to ``aggregate``, after writing into ``aggregate`` the
@@ -149,7 +195,9 @@ def stream_pass(
     ``blocks = (first, end)`` of ``chunk`` values, default all of them. None rows stand
     for the zero vector; ``partial`` None asks for the ``combine`` aggregate alone. ``rows``
     and ``aggregate`` may be spans of the vectors, starting at
-    position ``base`` of vectors of ``length`` values (default: they are whole). Returns
+    position ``base`` of vectors of ``length`` values (default: they are whole). With
+    ``products``, the sums are of each row's products with the aggregate (float32 x float32,
+    exact in float64; a row that is the aggregate's own span gives its squared norm). Returns
     False, touching nothing, when the kernel is unavailable or a tensor is not a contiguous
     CPU float32 one."""
     function = _function()
@@ -194,6 +242,7 @@ def stream_pass(
                 pointers, n_rows, mode, c_index, c_coefficients, count, c_pairs, n_pairs, trim,
                 dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
                 begin, min(begin + per_task, last), tail, partial_pointer, partial_blocks,
+                int(products),
             )
         )  # fmt: skip
 

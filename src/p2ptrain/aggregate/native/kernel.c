@@ -84,7 +84,8 @@ static inline void trimmed_slice(const float *const *rows, int64_t n, const int6
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written).
  * `rows[i]` and `aggregate` point at the values of position `base` (a span of the vectors);
  * `length` and the blocks count positions of the whole vectors. A NULL `partial` asks for
- * the aggregate alone (no distances).
+ * the aggregate alone (no distances); `products` sums each row's products with the
+ * aggregate (exact in float64) instead of its squared distances.
  * mode GIVEN: `aggregate` is read; WEIGHTED: sum_k coefficients[k] * rows[combine[k]];
  * TRIMMED: rows 0..n_combine-1 sorted per coordinate by the comparators `pairs`, `trim`
  * dropped from each side, the drops counted into dropped[0..n_combine-1]. */
@@ -93,7 +94,8 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *combine_index, const float *coefficients, int64_t n_combine,
                     const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
                     float *aggregate, int64_t length, int64_t base, int64_t block_begin,
-                    int64_t block_end, int64_t tail, double *partial, int64_t partial_blocks) {
+                    int64_t block_end, int64_t tail, double *partial, int64_t partial_blocks,
+                    int64_t products) {
     const int64_t slices = CHUNK / tail;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
@@ -144,9 +146,13 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             if (partial == NULL) continue; /* the aggregate alone */
             for (int64_t i = 0; i < n_rows; i++) {
                 const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
-                for (int64_t j = 0; j < valid; j++) {
-                    const double d = (double)(row[j] - agg[j]);
-                    square[j] = d * d;
+                if (products) {
+                    for (int64_t j = 0; j < valid; j++) square[j] = (double)row[j] * (double)agg[j];
+                } else {
+                    for (int64_t j = 0; j < valid; j++) {
+                        const double d = (double)(row[j] - agg[j]);
+                        square[j] = d * d;
+                    }
                 }
                 for (int64_t j = valid; j < tail; j++) square[j] = 0.0;
                 /* binary counter: merge equal-sized subtrees, left + right */
@@ -172,6 +178,35 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
     free(zeros);
     free(wires);
     return 0;
+}
+
+/* Decode `n` int8 codes: out[j] = (float)q[j] * scale[(lead + j) / block_size], one float32
+ * rounding each (codec_dense's int8 decode), where `lead` is q[0]'s position in its block.
+ * Returns 0; 1 when a code is -128 (nothing meaningful written); 2 when a scale it uses is
+ * negative, infinite or NaN (nothing written). */
+MULTIVERSION
+int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t block_size,
+                        int64_t lead, float *out) {
+    if (n <= 0) return 0;
+    const int64_t blocks = (lead + n - 1) / block_size + 1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float s = scale[b];
+        if (!(s >= 0.0f) || s > 3.4028234663852886e38f) return 2;
+    }
+    int bad = 0;
+    int64_t j = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t end = (b + 1) * block_size - lead;
+        if (end > n) end = n;
+        const float s = scale[b];
+        for (int64_t k = j; k < end; k++) {
+            const int8_t v = q[k];
+            bad |= (v == -128);
+            out[k] = (float)v * s;
+        }
+        j = end;
+    }
+    return bad ? 1 : 0;
 }
 
 /* The SHA-256 of this file's bytes, set by the build that compiled it into the package
