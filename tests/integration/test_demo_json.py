@@ -53,6 +53,18 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
     png = Path(summary["loss_png"])
     assert png.parent == Path(summary["checkpoint"]).parent
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # each node's roles, peak memory and (a reducer or validator's) last reduction
+    nodes = summary["nodes"]
+    assert set(nodes) == {"seed", "reducer", "validator-0", "validator-1", "validator-2",
+                          "trainer-0", "trainer-1"}  # fmt: skip
+    for name, node in nodes.items():
+        assert node["roles"] and node["peak_rss_mib"] > 0, name
+        if not {"reducer", "validator"} & set(node["roles"]):
+            assert node["reduction_seconds"] is node["reduction_window"] is None, name
+        elif node["reduction_seconds"] is not None:
+            assert node["reduction_seconds"] > 0, name
+            assert 1 <= node["reduction_window"] <= summary["windows_certified"] + 1, name
+    assert any(node["reduction_seconds"] for node in nodes.values())  # somebody reduced
     for trainer in ("trainer-0", "trainer-1"):
         status = json.loads((tmp_path / "demo" / trainer / "status.json").read_text())
         statistics = status["role_states"][0]["statistics"]

@@ -7,8 +7,10 @@ and a baseline is trained in this process on the same samples the way synchronou
 parallel training (DDP) would: one optimizer, batch = trainers x per-trainer batch, the same
 number of steps. The summary compares validation losses, and the bytes each trainer sent and
 received (its TCP connections, as the kernel counted them) with what DDP's ring all-reduce
-would send and receive by formula; and says how much of its time each trainer spent in inner
-steps (compute utilisation) rather than waiting for the network.
+would send and receive by formula; says how much of its time each trainer spent in inner
+steps (compute utilisation) rather than waiting for the network; and, from each node's last
+status, its roles, its process's peak resident memory and, for the reducer and validators,
+the wall seconds of its last reduction (``nodes``).
 
 ``loss.png`` beside the export draws the certified model's validation loss after each window
 against the seconds since every node was ready (training started; the nodes' start-up is not
@@ -352,12 +354,25 @@ def _bytes_per_trainer(workdir: Path, trainers: list[str]) -> int | None:
     return sum(_mean_bytes(statuses))
 
 
-def _backends(workdir: Path, names: list[str]) -> str | None:
+def _backends(statuses: dict[str, NodeStatus]) -> str | None:
     """The aggregation backends the nodes that aggregated used ("native (packaged)", ...)."""
-    from p2ptrain.observe.status import read_status
-
-    used = {read_status(workdir / name).aggregation_backend for name in names}
+    used = {s.aggregation_backend for s in statuses.values()}
     return ", ".join(sorted(b for b in used if b is not None)) or None
+
+
+def _node_figures(statuses: dict[str, NodeStatus]) -> dict[str, dict[str, Any]]:
+    """What each node measured of itself, by name: its roles, its process's peak resident
+    memory (MiB) and, for a reducer or validator, its last reduction (the window and its wall
+    seconds; null for the other roles, and before a first reduction)."""
+    return {
+        name: {
+            "roles": list(s.roles),
+            "peak_rss_mib": s.peak_rss_mib,
+            "reduction_seconds": s.reduction_seconds,
+            "reduction_window": s.reduction_window,
+        }
+        for name, s in statuses.items()
+    }
 
 
 def _mean_bytes(statuses: list[NodeStatus]) -> tuple[int, int]:
@@ -455,7 +470,8 @@ def _summarise(
     workload = build()
     missing, genesis_val_loss, val_loss = _validation(workload, weights, console)
     peer_ids = [network.nodes[t].peer_id for t in trainers]
-    statuses = [read_status(network.workdir / name) for name in trainers]
+    every = {name: read_status(network.workdir / name) for name in network.nodes}
+    statuses = [every[name] for name in trainers]
     sent, received = _mean_bytes(statuses)
     parameters = sum(t.numel() for t in weights.values())
     steps = height * manifest.inner_steps
@@ -473,7 +489,8 @@ def _summarise(
         "bytes_per_trainer_received": received,
         "bytes_per_trainer": sent + received,
         "bytes_measured": "tcp" if all(s.wire_measured for s in statuses) else "node counters",
-        "aggregation_backend": _backends(network.workdir, list(network.nodes)),
+        "aggregation_backend": _backends(every),
+        "nodes": _node_figures(every),
         "ddp_bytes_per_trainer": 2 * ddp_each_way,
         "ddp_bytes_formula": "ring all-reduce of fp32 gradients: 2(N-1)/N x 4 bytes x "
         "parameters per step, sent and as much received",
@@ -642,6 +659,18 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         table.add_row(
             "trainer compute utilisation", f"{100 * summary['compute_utilisation']:.0f} %"
         )
+    nodes = summary["nodes"]
+    table.add_row(
+        "peak memory per node",
+        ", ".join(f"{name} {n['peak_rss_mib']:.0f} MiB" for name, n in nodes.items()),
+    )
+    reduced = [
+        f"{name} {n['reduction_seconds']:.3f} s (window {n['reduction_window']})"
+        for name, n in nodes.items()
+        if n["reduction_seconds"] is not None
+    ]
+    if reduced:
+        table.add_row("last reduction per node", ", ".join(reduced))
     table.add_row("checkpoint", summary["checkpoint"])
     if summary["val_loss"] is not None:
         drawn = summary["loss_png"] or "not drawn (matplotlib is not installed)"

@@ -11,7 +11,7 @@ def mib(size: int) -> str:
     return f"{size / (1 << 20):,.1f} MiB"
 
 
-__all__ = ["chain_text", "store_text", "tallies", "validation_text"]
+__all__ = ["chain_text", "reduction_text", "store_text", "tallies", "validation_text"]
 
 
 def store_text(status: NodeStatus) -> str:
@@ -45,8 +45,28 @@ def chain_text(status: NodeStatus) -> str:
     return text
 
 
+def reduction_text(status: NodeStatus) -> str | None:
+    """How long the node's last reduction of a window took, and all of them so far (None:
+    the node has not reduced a window)."""
+    seconds, window = status.reduction_seconds, status.reduction_window
+    if seconds is None or window is None:
+        return None
+    accepted = status.reduction_accepted
+    updates = "" if accepted is None else f", {_count(accepted, 'update')} accepted"
+    return (
+        f"last took {seconds:.3f} s (window {window}{updates}); "
+        f"{_count(status.reductions_timed, 'reduction')} in "
+        f"{status.reduction_seconds_total:.2f} s since the node started"
+    )
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
 def tallies(status: NodeStatus) -> list[tuple[str, str]]:
-    """The counters, label first: windows, updates, the chain, bytes by kind, metrics."""
+    """The counters, label first: windows, updates, the chain, the last reduction, bytes
+    by kind, metrics."""
 
     def by_reason(counts: dict[str, int]) -> str:
         return ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
@@ -62,6 +82,9 @@ def tallies(status: NodeStatus) -> list[tuple[str, str]]:
     lines = [("windows", windows), ("updates", updates)]
     if status.heads_adopted or status.peak_rss_mib:
         lines.append(("chain", chain_text(status)))
+    reduced = reduction_text(status)
+    if reduced is not None:
+        lines.append(("reduction", reduced))
     for direction, counts in (
         ("sent", status.bytes_sent_by_kind),
         ("received", status.bytes_received_by_kind),

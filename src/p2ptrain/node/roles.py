@@ -86,6 +86,7 @@ def role_runners(
             reducers=manifest.reducers,
             now=time.monotonic(),
             presence_timeout_s=presence_timeout_s,
+            timer=time.perf_counter,  # each reduction's wall seconds, for the status
         )
         participant.votes.update(store.votes())
         runners.append(ParticipantRunner(participant, services, failures, emit))

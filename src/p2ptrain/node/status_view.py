@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import Metric
 
 from p2ptrain.core.encoding import encode
+from p2ptrain.driver.participant_runner import ParticipantRunner
 from p2ptrain.errors import LocalError
 from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
 from p2ptrain.net.content import Answer, text_answer
@@ -113,6 +114,9 @@ class StatusView:
         collector = node.collector
         collected = CollectorStatistics() if collector is None else collector.statistics()
         services, failures, evaluator = node.services, node.failures, node.evaluator
+        timing = next(
+            (r.machine.last_reduction for r in runners if isinstance(r, ParticipantRunner)), None
+        )
         return NodeStatus(
             peer_id=node.peer_id,
             roles=tuple(node.settings.roles),
@@ -163,6 +167,11 @@ class StatusView:
             outer_steps=follower.outer_steps,
             certificate_checks=follower.chain.certificate_checks,
             peak_rss_mib=round(peak_rss_mib(), 1),
+            reduction_window=None if timing is None else timing.window,
+            reduction_seconds=None if timing is None else round(timing.seconds, 4),
+            reduction_accepted=None if timing is None else timing.accepted,
+            reductions_timed=0 if timing is None else timing.count,
+            reduction_seconds_total=0.0 if timing is None else round(timing.total_seconds, 4),
         )
 
     def write(self, status: NodeStatus | None = None) -> None:

@@ -218,6 +218,15 @@ class NodeStatus(_Record, frozen=True):
     certificate_checks: int = 0
     #: The node process's peak resident memory so far, in MiB (0: not measured).
     peak_rss_mib: float = 0.0
+    #: A reducer's or validator's last reduction of a window (its own cohort, or a
+    #: proposal's recomputed): the window, its wall seconds and the updates it accepted
+    #: (None: none yet, or no such role); and every reduction since the node started, with
+    #: their wall seconds in all. Measured on this node, for people: never in a record.
+    reduction_window: int | None = None
+    reduction_seconds: float | None = None
+    reduction_accepted: int | None = None
+    reductions_timed: int = 0
+    reduction_seconds_total: float = 0.0
 
     @property
     def reasons(self) -> list[str]:

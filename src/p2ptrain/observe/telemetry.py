@@ -316,6 +316,19 @@ def node_families(status: NodeStatus) -> Iterator[Metric]:
             "built on first use) or torch",
             value={"backend": status.aggregation_backend},
         )
+    reduction = GaugeMetricFamily(
+        PREFIX + "reduction_seconds",
+        "Wall seconds this reducer or validator took to reduce its last window (its own "
+        "cohort, or a proposal's recomputed)",
+    )
+    reduced = GaugeMetricFamily(
+        PREFIX + "reduction_window", "The window the last reduction's seconds are of"
+    )
+    if status.reduction_seconds is not None and status.reduction_window is not None:
+        reduction.add_metric([], status.reduction_seconds)
+        reduced.add_metric([], status.reduction_window)
+    yield reduction
+    yield reduced
     yield _gauge("height", "Height of the highest certified head this node holds", status.height)
     yield _counter(
         "windows_certified",

@@ -42,11 +42,16 @@ update passed screening.
 
 Everyone counts attestations (:class:`AttestationBook`); q of them for one head make a
 certificate, sent to every peer. Decisions carry reasons; :meth:`statistics` sums them up.
+
+A participant given a ``timer`` (the node passes :func:`time.perf_counter`) times each
+reduction it computes and keeps the last as :attr:`Participant.last_reduction`, for people
+(the node's status and metrics). Wall seconds differ from run to run, so they decide nothing
+and enter no record, report or hash; the simulator gives no timer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +85,7 @@ from p2ptrain.protocol.reduction import (
     reduce_window,
 )
 
-__all__ = ["SYNC_EVERY_SLOTS", "Participant", "ParticipantStatistics"]
+__all__ = ["SYNC_EVERY_SLOTS", "Participant", "ParticipantStatistics", "ReductionTiming"]
 
 #: A participant still waiting asks its peers what the window holds every this many slots.
 SYNC_EVERY_SLOTS = 2
@@ -97,6 +102,21 @@ class ParticipantStatistics(FollowerStatistics):
     attested: str | None
     dropped_reducers: int
     equivocations: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReductionTiming:
+    """How long a participant's reductions took, in wall seconds as its timer read them:
+    for people (status, metrics), never in a record, a report or anything hashed."""
+
+    #: The last reduction: the window it reduced, its wall seconds, the updates it accepted.
+    window: int
+    seconds: float
+    accepted: int
+    #: Reductions timed since the participant was built (a cohort reduced again is served
+    #: from the cache, not timed), and their wall seconds in all.
+    count: int
+    total_seconds: float
 
 
 @dataclass
@@ -122,7 +142,9 @@ class _Window:
 class Participant(ChainRole):
     """A reducer (``validator=False``: proposes, never attests) or a validator, over the
     node's follower (``follow``; or the genesis weights, for a participant alone). The heads
-    it reduces are the follower's known states: adopting one needs no second outer step."""
+    it reduces are the follower's known states: adopting one needs no second outer step.
+    ``timer``: what times each reduction, in seconds (the node's :func:`time.perf_counter`;
+    None: not timed, as in the simulator, whose reports are compared byte for byte)."""
 
     def __init__(
         self,
@@ -134,6 +156,7 @@ class Participant(ChainRole):
         reducers: Sequence[bytes],
         now: float = 0.0,
         presence_timeout_s: float | None = None,
+        timer: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(self.follower_of(manifest, identity, follow))
         if self.follower.state_source is not None:
@@ -157,6 +180,8 @@ class Participant(ChainRole):
         self.judged_count = 0
         self.wrong_count = 0
         self.reductions = 0
+        self._timer = timer
+        self._last_reduction: ReductionTiming | None = None
         self._open(self.base, now)
 
     # --- window lifecycle ----------------------------------------------------------------
@@ -252,6 +277,12 @@ class Participant(ChainRole):
     @property
     def window(self) -> int:
         return self._window.base.window
+
+    @property
+    def last_reduction(self) -> ReductionTiming | None:
+        """The last reduction this participant computed and how long it took (None: none
+        yet, or no timer)."""
+        return self._last_reduction
 
     @property
     def phase(self) -> Phase:
@@ -500,12 +531,28 @@ class Participant(ChainRole):
         reduction = self._reductions.get(key)
         if reduction is None:
             w = self._window
+            timer = self._timer
+            started = 0.0 if timer is None else timer()
             reduction = reduce_window(self.manifest, w.base, cohort, self.leases, w.bases)
+            if timer is not None:
+                self._timed(w.base.window, timer() - started, len(reduction.accepted))
             self._reductions[key] = reduction
             if reduction.head_id is not None:
                 self.reductions += 1  # an outer step: the follower's once adopted
                 self._by_head[reduction.head_id] = reduction
         return reduction
+
+    def _timed(self, window: int, seconds: float, accepted: int) -> None:
+        """Keep a reduction's wall seconds as the last one, and add them to the totals."""
+        before = self._last_reduction
+        count, total = (0, 0.0) if before is None else (before.count, before.total_seconds)
+        self._last_reduction = ReductionTiming(
+            window=window,
+            seconds=seconds,
+            accepted=accepted,
+            count=count + 1,
+            total_seconds=total + seconds,
+        )
 
     def _advance(self, now: float, *, walk: bool = True) -> list[Action]:
         """The clock's events (the close, a sync slot, slots past the order), then the walk

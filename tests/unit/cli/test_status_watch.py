@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console, RenderableType
 
+from p2ptrain.cli.node_commands import describe_status
 from p2ptrain.cli.status_watch import render_status, render_waiting, watch_status
 from p2ptrain.errors import LocalError
 from p2ptrain.observe.status import (
@@ -111,6 +112,36 @@ def test_the_view_shows_every_fact_of_p2ptrain_status() -> None:
     assert "update [red]too large[/red]" in text
     assert "STORAGE" not in text
     assert "FAILED" not in text
+
+
+def test_the_last_reduction_is_shown_in_seconds_with_its_window() -> None:
+    timed = status(
+        reduction_window=7,
+        reduction_seconds=1.2345,
+        reduction_accepted=4,
+        reductions_timed=3,
+        reduction_seconds_total=3.614,
+        peak_rss_mib=812.25,
+    )
+    line = (
+        "last took 1.234 s (window 7, 4 updates accepted); 3 reductions in 3.61 s since the "
+        "node started"
+    )
+    watched = text_of(render_status(timed, target="n", now=NOW))
+    assert "reduction    last took 1.234 s (window 7, 4 updates accepted); 3 reductions" in watched
+    assert f"reduction  {line}" in describe_status(timed)
+    assert any("peak memory 812.2 MiB" in shown for shown in describe_status(timed))
+    once = status(
+        reduction_window=1, reduction_seconds=0.5, reduction_accepted=1, reductions_timed=1,
+        reduction_seconds_total=0.5,
+    )  # fmt: skip
+    assert (
+        "reduction  last took 0.500 s (window 1, 1 update accepted); 1 reduction in 0.50 s "
+        "since the node started"
+    ) in describe_status(once)
+    # a node that has not reduced (a trainer, or before its first reduction) says nothing
+    assert not any(shown.startswith("reduction") for shown in describe_status(status()))
+    assert "last took" not in text_of(render_status(status(), target="n", now=NOW))
 
 
 def test_storage_problems_and_a_failed_node_are_shown() -> None:

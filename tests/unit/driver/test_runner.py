@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
@@ -207,6 +208,24 @@ def test_events_and_status_are_typed_records_on_the_wire(tmp_path: Path) -> None
     )
     assert decode_status(encode_status(status), "here") == status
     assert status.errors[0].describe() == "window 2, training: TypeError: m"
+    timed = msgspec.structs.replace(
+        status,
+        reduction_window=2,
+        reduction_seconds=1.25,
+        reduction_accepted=3,
+        reductions_timed=4,
+        reduction_seconds_total=5.5,
+        peak_rss_mib=321.5,
+    )
+    assert decode_status(encode_status(timed), "here") == timed
+    # a status written before the reduction's timing was kept reads without it
+    older = {k: v for k, v in msgspec.to_builtins(timed).items() if "reduction" not in k}
+    again = decode_status(msgspec.json.encode(older), "an older node")
+    assert (again.reduction_seconds, again.reduction_window, again.reductions_timed) == (
+        None,
+        None,
+        0,
+    )
     with pytest.raises(LocalError, match="has no status file"):
         read_status(tmp_path)
     (tmp_path / "status.json").write_text('{"peer_id": 3}')

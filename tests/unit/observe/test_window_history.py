@@ -233,3 +233,30 @@ def test_every_family_is_typed_and_explained(with_trainer: bool) -> None:
     assert samples["p2ptrain_updates_rejected_total", (("reason", "norm_above"),)] == 2
     assert samples["p2ptrain_bytes_sent_total", (("kind", "update"),)] == 10
     assert samples["p2ptrain_phase_seconds_count", (("phase", "train"),)] == 1
+    # no reduction yet (or no reducer or validator): the families, without a sample
+    assert families["p2ptrain_reduction_seconds"].samples == []
+    assert families["p2ptrain_reduction_window"].samples == []
+
+
+def test_the_last_reduction_is_a_gauge_of_its_seconds_and_window() -> None:
+    status = NodeStatus(
+        peer_id="p" * 64,
+        roles=("validator",),
+        address=None,
+        experiment_id=EXPERIMENT,
+        height=6,
+        head_id="h" * 64,
+        adopted_head_id="h" * 64,
+        reduction_window=7,
+        reduction_seconds=1.25,
+        reduction_accepted=4,
+        reductions_timed=3,
+        reduction_seconds_total=3.5,
+    )
+    text = exposition(lambda: list(node_families(status))).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("p2ptrain_reduction_seconds", "p2ptrain_reduction_window"):
+        assert families[name].type == "gauge" and families[name].documentation
+    assert "seconds" in families["p2ptrain_reduction_seconds"].documentation.lower()
+    assert [s.value for s in families["p2ptrain_reduction_seconds"].samples] == [1.25]
+    assert [s.value for s in families["p2ptrain_reduction_window"].samples] == [7]

@@ -6,6 +6,8 @@ test_expected_trainers.py.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 
@@ -15,7 +17,7 @@ from p2ptrain.core.records import Proposal, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.follower import Follower
-from p2ptrain.protocol.participant import Participant
+from p2ptrain.protocol.participant import Participant, ReductionTiming
 from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.sim.workloads import SyntheticWorkload
 from tests.support.builders import h, identity, synthetic_experiment
@@ -176,3 +178,60 @@ def test_a_node_holds_one_participant() -> None:
     Participant(MANIFEST, A, follower, validator=True, reducers=(), now=0.0)
     with pytest.raises(ValueError, match="one participant"):
         Participant(MANIFEST, A, follower, validator=False, reducers=(), now=0.0)
+
+
+def _clock(*readings: float) -> Callable[[], float]:
+    """A timer that reads ``readings`` in turn (and raises once they run out)."""
+    left = iter(readings)
+    return lambda: next(left)
+
+
+def test_each_reduction_is_timed_and_the_last_one_kept() -> None:
+    """The proposer times its own reduction, the judge its recomputation of the proposal:
+    each reads its timer once before and once after, and a cohort reduced again (the
+    cached reduction) reads it no more."""
+    machines = {
+        A.public_key: Participant(
+            MANIFEST, A, GENESIS, validator=True, reducers=(), timer=_clock(10.0, 10.25)
+        ),
+        B.public_key: Participant(
+            MANIFEST, B, GENESIS, validator=True, reducers=(), timer=_clock(20.0, 20.5)
+        ),
+    }
+    said = _full_window(machines)
+    (proposer,) = [k for k, actions in said.items() if _of(actions, act.SendProposal)]
+    (judge,) = [k for k in machines if k != proposer]
+    (sent,) = _of(said[proposer], act.SendProposal)
+    assert isinstance(sent, act.SendProposal)
+    accepted = len(sent.proposal.record.accepted)
+    assert accepted == 2
+    took = 0.25 if proposer == A.public_key else 0.5
+    assert machines[proposer].last_reduction == ReductionTiming(
+        window=1, seconds=took, accepted=2, count=1, total_seconds=took
+    )
+    assert machines[judge].last_reduction is None  # its slot has not opened: not reduced yet
+
+    machines[judge].receive_proposal(3.0, sent.proposal)
+    took = 0.5 if judge == B.public_key else 0.25
+    assert machines[judge].last_reduction == ReductionTiming(
+        window=1, seconds=took, accepted=2, count=1, total_seconds=took
+    )
+    assert machines[judge].statistics().reductions == 1
+
+
+def test_a_timer_changes_nothing_but_the_timing() -> None:
+    """Participants with a timer (the node's) and without (the simulator's, whose reports
+    are compared byte for byte) say and count the same: wall seconds enter no record or
+    statistic, and only the timed ones keep them."""
+    plain = _validators()
+    timed = {
+        key: Participant(
+            MANIFEST, who, GENESIS, validator=True, reducers=(), timer=_clock(1.0, 2.0, 3.0)
+        )
+        for key, who in ((A.public_key, A), (B.public_key, B))
+    }
+    assert _full_window(plain) == _full_window(timed)
+    (proposer,) = [k for k, m in timed.items() if m.last_reduction is not None]
+    assert plain[proposer].statistics() == timed[proposer].statistics()
+    assert plain[proposer].statistics().reductions == 1
+    assert all(m.last_reduction is None for m in plain.values())
