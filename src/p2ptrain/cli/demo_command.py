@@ -157,10 +157,14 @@ def run_demo(args: argparse.Namespace) -> int:
     if isinstance(workload, DryRunnable):
         workload.dry_run()  # a mistake in the model or data is told in words, before any run
     step_s = seconds_per_step(workload)
-    train_s, deadline_s = window_seconds(step_s, args.inner_steps, args.trainers)
+    # an experiment definition's own inner_steps wins over --inner-steps (demo_toml)
+    given = experiment.tables.get("inner_steps")
+    inner_steps = given if isinstance(given, int) and given > 0 else args.inner_steps
+    train_s, deadline_s = window_seconds(step_s, inner_steps, args.trainers)
+    source = " (the experiment's inner_steps)" if inner_steps != args.inner_steps else ""
     console.print(
         f"[bold]p2ptrain demo[/]: {args.trainers} trainers, 3 validators (quorum 2), 1 reducer, "
-        f"1 seed; {args.windows} windows of {args.inner_steps} inner steps "
+        f"1 seed; {args.windows} windows of {inner_steps} inner steps{source} "
         f"(~{train_s:.0f} s each); work dir {workdir}"
     )
     started = time.monotonic()
@@ -230,8 +234,6 @@ def _run(
     path = network.write_experiment(toml)
     effective = tomllib.loads(toml)  # the user's settings may differ from the demo's
     deadline_s = float(effective["window"]["deadline_s"])
-    if effective["inner_steps"] != args.inner_steps:
-        console.print(f"the experiment sets {effective['inner_steps']} inner steps a window")
     code = ["--workload", experiment.code] if is_reference(experiment.code) else []
     trainers = [f"trainer-{i}" for i in range(args.trainers)]
     certified: list[_Certified] = []

@@ -22,6 +22,7 @@ from p2ptrain.protocol.effects import (
     StateFetch,
     WindowSync,
 )
+from p2ptrain.protocol.reduction import ByteSource
 
 __all__ = ["ANSWERS", "FETCHING", "answer"]
 
@@ -34,11 +35,9 @@ async def answer(services: PeerServices, height: Height, request: Request) -> An
     return await ANSWERS[type(request)](services, height, request)
 
 
-async def _update_blob(services: PeerServices, height: Height, request: BlobFetch) -> bytes:
+async def _update_blob(services: PeerServices, height: Height, request: BlobFetch) -> ByteSource:
     update = request.update.record
-    return await services.fetch_blob(
-        update.delta_blob, request.first, size=update.delta_bytes, kind="update"
-    )
+    return await services.fetch_update_blob(update.delta_blob, request.first, update.delta_bytes)
 
 
 async def _update_record(

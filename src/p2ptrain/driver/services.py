@@ -44,6 +44,7 @@ from p2ptrain.observe.telemetry import NodeTelemetry
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.intake import Admission
 from p2ptrain.protocol.policy import FETCH_ATTEMPTS
+from p2ptrain.protocol.reduction import ByteSource
 from p2ptrain.protocol.role import RoleMachine
 
 __all__ = ["PeerServices", "experiment_topic"]
@@ -241,6 +242,14 @@ class PeerServices:
     ) -> bytes:
         await self.download(blob_id, first, size, kind=kind)
         return bytes(self.store.blobs.get(blob_id))
+
+    async def fetch_update_blob(
+        self, blob_id: str, first: Sequence[str] = (), size: int | None = None
+    ) -> ByteSource:
+        """An update blob, fetched into the store unless it is there, to be read by range:
+        a reduction holds one window of each update, never its whole blob."""
+        await self.download(blob_id, first, size, kind="update")
+        return self.store.blobs.reader(blob_id)
 
     async def fetch_head_blobs(
         self, head: Head, first: Sequence[str] = ()

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head
+from p2ptrain.protocol.reduction import ByteSource
 
 __all__ = [
     "BlobKeep",
@@ -105,6 +106,10 @@ class BlobKeep(Protocol):
 
     def has(self, blob_id: str) -> bool: ...
     def get(self, blob_id: str) -> bytes | bytearray: ...
+    def reader(self, blob_id: str) -> ByteSource:
+        """The kept blob, read by range (a reduction reads one window of it at a time)."""
+        ...
+
     def put(self, data: bytes | bytearray | memoryview) -> str: ...
 
 

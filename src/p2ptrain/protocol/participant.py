@@ -79,6 +79,7 @@ from p2ptrain.protocol.proposers import proposer_order, slot_at, slot_start
 from p2ptrain.protocol.quorum import AttestationBook
 from p2ptrain.protocol.reduction import (
     BaseState,
+    ByteSource,
     Reduction,
     Submission,
     belongs_to_window,
@@ -396,8 +397,11 @@ class Participant(ChainRole):
         behind = self._window.base.window - signed.record.window
         self.presence.late(now, signed.record.trainer, behind)
 
-    def receive_update(self, now: float, signed: Signed[Update], blob: bytes) -> list[Action]:
-        """An update (its envelope verified) with its blob."""
+    def receive_update(
+        self, now: float, signed: Signed[Update], blob: bytes | bytearray | ByteSource
+    ) -> list[Action]:
+        """An update (its envelope verified) with its blob: its bytes, or where to read
+        them by range (a node's blob store)."""
         w = self._window
         update_id = signed.record_id
         if update_id in w.updates:

@@ -28,7 +28,7 @@ from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
 from p2ptrain.aggregate.screening import Checked, ScreeningOutcome, measure, screen_cohort
-from p2ptrain.aggregate.update_reader import ByteSource, UpdateVector, source_of
+from p2ptrain.aggregate.update_reader import ByteSource, MemoryBytes, UpdateVector, source_of
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
@@ -41,6 +41,8 @@ from p2ptrain.protocol.quarantine import excluded_until, next_standings
 
 __all__ = [
     "BaseState",
+    "ByteSource",
+    "MemoryBytes",
     "Reduction",
     "Stepped",
     "Submission",

@@ -33,6 +33,7 @@ from p2ptrain.driver.transport import ProviderNote
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
 from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE, HeadChain
 from p2ptrain.protocol.effects import Publish
+from p2ptrain.protocol.reduction import ByteSource, MemoryBytes
 from p2ptrain.sim.engine import Network
 from p2ptrain.sim.outbox import Outbox, Sender
 
@@ -63,6 +64,9 @@ class SimBlobs:
             return self.data[blob_id]
         except KeyError:
             raise LocalError(f"blob {blob_id[:12]} is not kept") from None
+
+    def reader(self, blob_id: str) -> ByteSource:
+        return MemoryBytes(self.get(blob_id))
 
     def put(self, data: bytes | bytearray | memoryview) -> str:
         blob = bytes(data)

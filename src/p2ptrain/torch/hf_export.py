@@ -82,7 +82,11 @@ def model_card(
         "from transformers import AutoModelForCausalLM\n\n"
         'path = "."  # this directory\n'
         "model = AutoModelForCausalLM.from_pretrained(path)\n"
-        "ids = model.generate(torch.tensor([[0]]), max_new_tokens=50, do_sample=True)\n"
+        "# at most the positions the model was trained with (its context length)\n"
+        "config = model.config\n"
+        'context = getattr(config, "n_positions", None) or config.max_position_embeddings\n'
+        "new = min(50, context - 1)\n"
+        "ids = model.generate(torch.tensor([[0]]), max_new_tokens=new, do_sample=True)\n"
         f"{decode}```\n"
         + (
             "\n`vocab.json` maps each token to its id; it is a plain table, not a "

@@ -134,3 +134,26 @@ def test_the_kernel_computes_an_aggregate_alone() -> None:
         spans, trimmed, alone, None, CHUNK, blocks=(1, 3), base=CHUNK, length=3 * CHUNK
     )
     assert torch.equal(alone.view(torch.int32), full[CHUNK:].view(torch.int32))
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 256])
+def test_int8_spans_decode_alike_with_and_without_the_kernel(block_size: int) -> None:
+    """The kernel's int8 decode and torch's give the same bits, whatever the span."""
+    weights = model()
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8", config={"block_size": block_size})
+    limit = max_update_bytes(spec, schema)
+    blob = make_encoder(spec, schema).encode({k: v * 0.01 for k, v in weights.items()})
+    spans = [(0, 92076), (5, 1006), (1000, 1003), (2077, 90000)]
+    loader = native.installed_loader()
+    try:
+        ensure_kernel()
+        with_kernel = UpdateVector(blob, spec, schema, max_bytes=limit)
+        kernel = [with_kernel[a:b].clone() for a, b in spans]
+        native.install_kernel(None)
+        without = UpdateVector(blob, spec, schema, max_bytes=limit)
+        plain = [without[a:b].clone() for a, b in spans]
+    finally:
+        native.install_kernel(loader)
+    for (a, b), one, two in zip(spans, kernel, plain, strict=True):
+        assert torch.equal(one.view(torch.int32), two.view(torch.int32)), f"span {a}..{b}"

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import math
 import sys
@@ -164,6 +166,13 @@ def test_export_loads_with_from_pretrained_and_decodes(tmp_path: Path) -> None:
     readme = Path(written["README.md"]).read_text("utf-8")
     assert "| height | 7 |" in readme and "| signers | v1, v2 |" in readme
     assert "AutoModelForCausalLM.from_pretrained" in readme
+    # the card's usage runs as written (its sampling stays within the model's context)
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = snippet.replace('path = "."', f"path = {str(tmp_path / 'export')!r}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(snippet, "README.md", "exec"), {})  # the card's own usage code
+    assert printed.getvalue().strip()
     # a peer can start from the export: the pretrained setting reads the local directory
     again = hf_causal_lm_workload({**{k: TINY[k] for k in ("block_size", "batch_size")},
                                    "pretrained": str(tmp_path / "export")})  # fmt: skip
