@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import decode, encode
@@ -37,7 +37,7 @@ from p2ptrain.core.records import Head, MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.metrics import median
-from p2ptrain.store.atomic import write_atomically
+from p2ptrain.store.atomic import replace_atomically
 from p2ptrain.store.datadir import DataDir
 
 __all__ = ["METRICS_KIND", "TRAINER_STATE_FILE", "NodeStore", "median_val_loss"]
@@ -209,7 +209,11 @@ class NodeStore:
         self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     ) -> None:
         contiguous = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        write_atomically(self.trainer_state_path(), save(contiguous, metadata=dict(metadata)))
+        # streamed to the file: the moments (twice the weights) are not copied into bytes
+        replace_atomically(
+            self.trainer_state_path(),
+            lambda temporary: save_file(contiguous, str(temporary), metadata=dict(metadata)),
+        )
 
     def load_trainer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         """Our own file, written by :meth:`save_trainer_state` (never bytes from a peer)."""

@@ -15,9 +15,11 @@ the lease sample counts), and the outer optimizer steps the base weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,7 @@ __all__ = [
     "Stepped",
     "Submission",
     "belongs_to_window",
+    "blob_ids",
     "outer_step",
     "reduce_window",
 ]
@@ -163,6 +166,22 @@ def belongs_to_window(
             + (f" or the {len(bases) - 1} before it" if len(bases) > 1 else ""),
         )
     return Verdict(True, "update is for this window")
+
+
+@functools.cache
+def _hashers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=3, thread_name_prefix="p2ptrain-hash")
+
+
+def blob_ids(*blobs: bytes | bytearray | None) -> list[str | None]:
+    """The SHA-256 ids of a head's blobs (None stays None), hashed at the same time on as
+    many threads as there are blobs of real size (hashlib lets go of the GIL): a new
+    state's weights and optimizer blobs are each as large as the model."""
+    large = [blob for blob in blobs if blob is not None and len(blob) >= _HASH_READ]
+    if len(large) < 2:
+        return [None if blob is None else sha256_hex(blob) for blob in blobs]
+    futures = [None if blob is None else _hashers().submit(sha256_hex, blob) for blob in blobs]
+    return [None if future is None else future.result() for future in futures]
 
 
 def _blob_id(blob: ByteSource) -> str:
@@ -311,15 +330,19 @@ def reduce_window(
         rejected=verdicts.struck,
         spec=manifest.screening,
     )
+    weights_id, optimizer_id, aggregate_id = blob_ids(
+        step.weights_blob, step.optimizer_blob, aggregate_blob
+    )
+    assert weights_id is not None and aggregate_id is not None  # both blobs exist
     head = Head(
         experiment_id=leases.experiment_id,
         height=window,
         parent=base.head_id,
-        weights_blob=sha256_hex(step.weights_blob),
-        optimizer_blob=None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob),
+        weights_blob=weights_id,
+        optimizer_blob=optimizer_id,
         accepted=accepted,
         quarantine=standings,
-        aggregate_blob=sha256_hex(aggregate_blob),
+        aggregate_blob=aggregate_id,
     )
     return Reduction(
         window=window,

@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from p2ptrain.errors import LocalError
 
-__all__ = ["write_atomically"]
+__all__ = ["replace_atomically", "write_atomically"]
 
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``; a LocalError names the file when it cannot."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(temporary: Path) -> None:
         with open(temporary, "wb") as handle:
             handle.write(data)
-            handle.flush()
+
+    replace_atomically(path, write)
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Replace ``path`` with the file ``write`` writes at the temporary path it is given
+    (a writer that streams, e.g. ``safetensors.torch.save_file``, never holds the whole
+    file in memory); a LocalError names the file when it cannot."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except OSError as exc:

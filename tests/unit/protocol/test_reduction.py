@@ -33,7 +33,13 @@ from p2ptrain.core.tensors import encode_state_dict, schema_of
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol.chain import genesis_head
 from p2ptrain.protocol.leases import LeaseBook, lease_for
-from p2ptrain.protocol.reduction import BaseState, Reduction, Submission, reduce_window
+from p2ptrain.protocol.reduction import (
+    BaseState,
+    Reduction,
+    Submission,
+    blob_ids,
+    reduce_window,
+)
 from p2ptrain.store.blobs import BlobStore
 from tests.support.builders import experiment, h, identity
 
@@ -466,3 +472,12 @@ def test_the_same_update_listed_twice_does_not_penalise_its_trainer() -> None:
         return
     assert twice.rejected == ()
     assert twice.head_id == once.head_id
+
+
+def test_a_heads_blob_ids_are_their_sha256_however_many_are_large() -> None:
+    large = [bytes([i]) * (1 << 24) for i in range(2)]
+    small = b"aggregate"
+    expected = [sha256_hex(blob) for blob in [*large, small]]
+    assert blob_ids(*large, small) == expected
+    assert blob_ids(large[0], None, small) == [expected[0], None, expected[2]]
+    assert blob_ids(small, None) == [expected[2], None]
