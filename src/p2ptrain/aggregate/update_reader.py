@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -301,21 +301,3 @@ class UpdateVector:
         value = self._codec.decode(parameter.spec, parts).reshape(-1)
         self._whole = (parameter.spec.name, value)
         return value
-
-
-def open_updates(
-    blobs: Sequence[bytes | bytearray | memoryview | ByteSource],
-    codec: CodecSpec,
-    schema: Iterable[TensorSpec],
-    *,
-    max_bytes: int,
-) -> list[UpdateVector | ProtocolViolation]:
-    """Each blob opened as an :class:`UpdateVector`, or the violation that refused it."""
-    model = tuple(schema)
-    opened: list[UpdateVector | ProtocolViolation] = []
-    for blob in blobs:
-        try:
-            opened.append(UpdateVector(blob, codec, model, max_bytes=max_bytes))
-        except ProtocolViolation as violation:
-            opened.append(violation)
-    return opened
