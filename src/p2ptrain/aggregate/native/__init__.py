@@ -45,8 +45,9 @@ KERNEL_SOURCE = Path(__file__).with_name("kernel.c")
 KernelLoader = Callable[[], ctypes.CDLL | None]
 #: The kernel's modes (``kernel.c``): aggregate given, weighted combination, trimmed mean.
 _GIVEN, _WEIGHTED, _TRIMMED = 0, 1, 2
-#: The kernel's slice width when it computes an aggregate alone.
-_AGGREGATE_TAIL = 256
+#: Values per slice of a kernel pass (the binary counter's width; the block's tree is then
+#: halved down to the partial sums' width): wide slices cost less per value.
+_WIDTH = 1024
 #: Blocks per task when the pass is split between threads.
 _BLOCKS_PER_TASK = 16
 
@@ -90,6 +91,7 @@ def _function() -> Any | None:
         ctypes.c_int64,  # base
         ctypes.c_int64,  # block_begin
         ctypes.c_int64,  # block_end
+        ctypes.c_int64,  # width
         ctypes.c_int64,  # tail
         ctypes.c_void_p,  # partial
         ctypes.c_int64,  # partial_blocks
@@ -209,10 +211,12 @@ def stream_pass(
     if partial is None:
         if combine is None:
             return False
-        n_rows, partial_blocks, tail, partial_pointer = len(rows), 0, _AGGREGATE_TAIL, None
+        n_rows, partial_blocks, tail, partial_pointer = len(rows), 0, _WIDTH, None
     else:
         n_rows, partial_blocks, tail = partial.shape
         if partial.dtype != torch.float64 or not partial.is_contiguous() or chunk % tail:
+            return False
+        if chunk < _WIDTH or tail > _WIDTH:
             return False
         partial_pointer = partial.data_ptr()
     if isinstance(combine, Trimmed) and any(row is None for row in rows[: combine.n]):
@@ -241,7 +245,7 @@ def stream_pass(
             function(
                 pointers, n_rows, mode, c_index, c_coefficients, count, c_pairs, n_pairs, trim,
                 dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
-                begin, min(begin + per_task, last), tail, partial_pointer, partial_blocks,
+                begin, min(begin + per_task, last), _WIDTH, tail, partial_pointer, partial_blocks,
                 int(products),
             )
         )  # fmt: skip

@@ -10,15 +10,18 @@
  *   - every float32 operation is one IEEE-754 rounding (no contraction: -ffp-contract=off,
  *     never -ffast-math), so vector width and compiler do not change a single bit;
  *   - a difference is rounded once to float32 and squared exactly in float64;
- *   - each CHUNK block of squares is halved (x[i] += x[i + h]) down to `tail` values. That
- *     strided tree is the contiguous pairwise tree over the block's slices of `tail` values
- *     taken in bit-reversed order, which a binary counter builds while streaming the slices.
+ *   - each CHUNK block of squares is halved (x[i] += x[i + h]) down to `tail` values. Down
+ *     to `width` values, that strided tree is the contiguous pairwise tree over the block's
+ *     slices of `width` values taken in bit-reversed order, which a binary counter builds
+ *     while streaming the slices; then the halving goes on in place down to `tail`.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define CHUNK 65536
+/* Values a trimmed mean sorts at a time (its wires: n_combine rows of them). */
+#define SORT_WIDTH 256
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
@@ -81,6 +84,36 @@ static inline void trimmed_slice(const float *const *rows, int64_t n, const int6
     }
 }
 
+/* One slice's terms: (row - agg)^2 (the difference rounded to float32, squared exactly in
+ * float64) or with `products` row * agg (exact in float64); zeros past `valid`. */
+static inline void slice_terms(const float *row, const float *agg, int64_t valid, int64_t tail,
+                               int64_t products, double *out) {
+    if (products) {
+        for (int64_t j = 0; j < valid; j++) out[j] = (double)row[j] * (double)agg[j];
+    } else {
+        for (int64_t j = 0; j < valid; j++) {
+            const double d = (double)(row[j] - agg[j]);
+            out[j] = d * d;
+        }
+    }
+    for (int64_t j = valid; j < tail; j++) out[j] = 0.0;
+}
+
+/* left + the slice's terms, into out (the first merge of the binary counter, fused). */
+static inline void slice_terms_onto(const float *row, const float *agg, int64_t valid,
+                                    int64_t tail, int64_t products, const double *left,
+                                    double *out) {
+    if (products) {
+        for (int64_t j = 0; j < valid; j++) out[j] = left[j] + (double)row[j] * (double)agg[j];
+    } else {
+        for (int64_t j = 0; j < valid; j++) {
+            const double d = (double)(row[j] - agg[j]);
+            out[j] = left[j] + d * d;
+        }
+    }
+    for (int64_t j = valid; j < tail; j++) out[j] = left[j] + 0.0;
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written).
  * `rows[i]` and `aggregate` point at the values of position `base` (a span of the vectors);
  * `length` and the blocks count positions of the whole vectors. A NULL `partial` asks for
@@ -94,24 +127,24 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *combine_index, const float *coefficients, int64_t n_combine,
                     const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
                     float *aggregate, int64_t length, int64_t base, int64_t block_begin,
-                    int64_t block_end, int64_t tail, double *partial, int64_t partial_blocks,
+                    int64_t block_end, int64_t width, int64_t tail, double *partial,
+                    int64_t partial_blocks,
                     int64_t products) {
-    const int64_t slices = CHUNK / tail;
+    const int64_t slices = CHUNK / width;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
     const int levels = bits + 1;
-    /* per row: `levels` pending partial sums of `tail` values; then one slice of squares */
-    double *stack = malloc(sizeof(double) * (size_t)(n_rows * levels + 1) * (size_t)tail);
-    float *zeros = calloc((size_t)tail, sizeof(float));
+    /* per row: `levels` pending partial sums of `width` values */
+    double *stack = malloc(sizeof(double) * (size_t)(n_rows * levels) * (size_t)width);
+    float *zeros = calloc((size_t)width, sizeof(float));
     if (stack == NULL || zeros == NULL) {
         free(stack);
         free(zeros);
         return -1;
     }
-    double *square = stack + n_rows * levels * tail;
     float *wires = NULL;
     if (mode == TRIMMED) {
-        wires = malloc(sizeof(float) * (size_t)(n_combine * tail));
+        wires = malloc(sizeof(float) * (size_t)(n_combine * SORT_WIDTH));
         if (wires == NULL) {
             free(stack);
             free(zeros);
@@ -122,14 +155,18 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
     for (int64_t block = block_begin; block < block_end; block++) {
         const int64_t block_start = block * CHUNK;
         for (int64_t r = 0; r < slices; r++) {
-            const int64_t offset = block_start + bit_reverse(r, bits) * tail;
+            const int64_t offset = block_start + bit_reverse(r, bits) * width;
             int64_t valid = length - offset;
-            if (valid > tail) valid = tail;
+            if (valid > width) valid = width;
             if (valid < 0) valid = 0;
             float *agg = aggregate + (offset - base);
             if (mode == TRIMMED && valid > 0) {
-                trimmed_slice(rows, n_combine, pairs, n_pairs, trim, dropped, wires, tail,
-                              offset - base, valid, agg);
+                /* sorted in narrower pieces, so the wires stay in L1 */
+                for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
+                    const int64_t count = valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
+                    trimmed_slice(rows, n_combine, pairs, n_pairs, trim, dropped, wires,
+                                  SORT_WIDTH, offset - base + piece, count, agg + piece);
+                }
             } else if (mode == WEIGHTED && valid > 0) {
                 const float *first = rows[combine_index[0]] + (offset - base);
                 const float c0 = coefficients[0];
@@ -144,32 +181,31 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                 }
             }
             if (partial == NULL) continue; /* the aggregate alone */
+            /* binary counter: this slice's subtree lands on level `top` (free: the levels
+             * below it hold the pending subtrees, each merged in as left + right) */
+            int top = 0;
+            while ((r >> top) & 1) top++;
             for (int64_t i = 0; i < n_rows; i++) {
                 const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
-                if (products) {
-                    for (int64_t j = 0; j < valid; j++) square[j] = (double)row[j] * (double)agg[j];
+                double *levels_of_row = stack + i * levels * width;
+                double *out = levels_of_row + top * width;
+                if (top == 0) {
+                    slice_terms(row, agg, valid, width, products, out);
                 } else {
-                    for (int64_t j = 0; j < valid; j++) {
-                        const double d = (double)(row[j] - agg[j]);
-                        square[j] = d * d;
+                    slice_terms_onto(row, agg, valid, width, products, levels_of_row, out);
+                    for (int level = 1; level < top; level++) {
+                        const double *left = levels_of_row + level * width;
+                        for (int64_t j = 0; j < width; j++) out[j] = left[j] + out[j];
                     }
                 }
-                for (int64_t j = valid; j < tail; j++) square[j] = 0.0;
-                /* binary counter: merge equal-sized subtrees, left + right */
-                double *levels_of_row = stack + i * levels * tail;
-                int64_t count = r;
-                int level = 0;
-                while (count & 1) {
-                    double *left = levels_of_row + level * tail;
-                    for (int64_t j = 0; j < tail; j++) square[j] = left[j] + square[j];
-                    count >>= 1;
-                    level++;
-                }
-                memcpy(levels_of_row + level * tail, square, sizeof(double) * (size_t)tail);
             }
         }
         for (int64_t i = 0; partial != NULL && i < n_rows; i++) {
-            double *sum = stack + (i * levels + bits) * tail;
+            double *sum = stack + (i * levels + bits) * width;
+            /* the block's tree goes on halving down to the `tail` values kept */
+            for (int64_t h = width / 2; h >= tail; h /= 2) {
+                for (int64_t j = 0; j < h; j++) sum[j] = sum[j] + sum[j + h];
+            }
             memcpy(partial + (i * partial_blocks + block) * tail, sum,
                    sizeof(double) * (size_t)tail);
         }
