@@ -47,7 +47,14 @@ from typing import Final
 import torch
 
 from p2ptrain.aggregate.codec_dense import Int8Codec, PackedQuantCodec
-from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict, read_layout
+from p2ptrain.core.spool import BlobSpool, SpooledBlob
+from p2ptrain.core.tensors import (
+    TensorSpec,
+    decode_state_dict,
+    encode_state_dict,
+    read_layout,
+    write_state_dict,
+)
 from p2ptrain.errors import ProtocolViolation
 
 __all__ = [
@@ -79,8 +86,11 @@ def _sparse_is_smaller(nnz: int, numel: int) -> bool:
     return 6 * nnz + 4 * _chunks(numel) < 4 * numel
 
 
-def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytearray:
-    """The canonical bytes of an aggregate (float32 CPU tensors, any names)."""
+def encode_aggregate(
+    tensors: Mapping[str, torch.Tensor], spool: BlobSpool | None = None
+) -> bytearray | SpooledBlob:
+    """The canonical bytes of an aggregate (float32 CPU tensors, any names), in memory or
+    written into a sink of ``spool``."""
     container = _tagged()
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
@@ -92,7 +102,7 @@ def encode_aggregate(tensors: Mapping[str, torch.Tensor]) -> bytearray:
         container[f"{name}/counts"] = counts.to(torch.int32)
         container[f"{name}/offsets"] = (stored % _CHUNK - _OFFSET_BIAS).to(torch.int16)
         container[f"{name}/values"] = flat[stored]
-    return encode_state_dict(container)
+    return encode_state_dict(container) if spool is None else write_state_dict(container, spool)
 
 
 def _tagged() -> dict[str, torch.Tensor]:
@@ -101,15 +111,19 @@ def _tagged() -> dict[str, torch.Tensor]:
 
 
 def settle_aggregate(
-    tensors: Mapping[str, torch.Tensor], precision: str = "fp32"
-) -> tuple[dict[str, torch.Tensor], bytearray]:
+    tensors: Mapping[str, torch.Tensor], precision: str = "fp32", spool: BlobSpool | None = None
+) -> tuple[dict[str, torch.Tensor], bytearray | SpooledBlob]:
     """(what the outer step applies, the canonical blob) of an aggregate at the manifest's
     ``aggregation.precision``: the tensors' values and :func:`encode_aggregate`'s bytes
-    (``fp32``; a tensor stored dense is given as a view of the blob, so the caller may drop
-    its own copy), or their rounding and its codes (``int8``, ``int4``, ``int2``: see the
-    module docstring)."""
+    (``fp32``; in memory, a tensor stored dense is given as a view of the blob, so the
+    caller may drop its own copy), or their rounding and its codes (``int8``, ``int4``,
+    ``int2``: see the module docstring). With ``spool``, the blob is written into one of
+    its sinks (a file, say) and the tensors given are the values themselves."""
+    if precision == "fp32" and spool is not None:
+        return dict(tensors), encode_aggregate(tensors, spool)
     if precision == "fp32":
         blob = encode_aggregate(tensors)
+        assert isinstance(blob, bytearray)
         layout = read_layout(lambda offset, length: blob[offset : offset + length], len(blob))
         values = dict(tensors)
         for name, tensor in tensors.items():
@@ -131,6 +145,8 @@ def settle_aggregate(
         rounded[name] = quantiser.decode(spec, parts)
         for part, value in parts.items():
             container[f"{name}/{part}"] = value
+    if spool is not None:
+        return rounded, write_state_dict(container, spool)
     return rounded, encode_state_dict(container)
 
 

@@ -264,6 +264,7 @@ def _reduce(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
     from p2ptrain.protocol.reduction import BaseState, Submission, reduce_window
     from p2ptrain.store.blobs import BlobStore
     from p2ptrain.store.kernel_build import ensure_kernel
+    from p2ptrain.store.spool import FileSpool
 
     torch.set_num_threads(config.threads)
     ensure_kernel()
@@ -310,7 +311,11 @@ def _reduce(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
             Submission(update, update_id, store.reader(update.delta_blob))
             for update, update_id in records
         ]
-        reduction = reduce_window(manifest, base, cohort, LeaseBook(manifest), (head.id,))
+        # the head's blobs go to files in the store, as a node's do
+        spool = FileSpool(store.spool_directory)
+        reduction = reduce_window(
+            manifest, base, cohort, LeaseBook(manifest), (head.id,), spool=spool
+        )
         seconds = time.perf_counter() - start
     return {
         "rss_after_imports_mib": after_imports,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import mmap
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Final, NamedTuple, TypeAlias
@@ -37,6 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
+from p2ptrain.core.spool import BlobSpool, SpooledBlob
 from p2ptrain.errors import LocalError, ProtocolViolation
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "BlobLayout",
     "Schema",
+    "StateLayout",
     "TensorSlot",
     "TensorSpec",
     "blank_state_blob",
@@ -54,7 +57,10 @@ __all__ = [
     "read_layout",
     "schema_hash",
     "schema_of",
+    "state_layout",
+    "state_views",
     "uint8_alias",
+    "write_state_dict",
 ]
 
 SCHEMA_METADATA_KEY: Final = "p2ptrain.schema"
@@ -196,12 +202,7 @@ def encode_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytearray:
     ``safetensors.torch.save(state_dict, metadata={SCHEMA_METADATA_KEY: schema_hash(...)})``
     writes, and the same state dict always gives the same bytes.
     """
-    _require_little_endian()
-    tensors = sorted(
-        ((name, _plain(name, tensor)) for name, tensor in state_dict.items()),
-        key=lambda item: (_LAYOUT_RANK[item[1].dtype], item[0]),
-    )
-    prefix = _prefix(tensors, schema_hash(state_dict))
+    tensors, prefix = _laid_out(state_dict)
     data_len = sum(tensor.nbytes for _, tensor in tensors)
     # One buffer for the result; torch's multi-threaded copy_ writes every tensor (packing
     # views, fetching from devices) straight into place, in one pass.
@@ -219,36 +220,89 @@ def encode_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytearray:
     return blob
 
 
-def blank_state_blob(schema: Iterable[TensorSpec]) -> tuple[bytearray, dict[str, torch.Tensor]]:
-    """The blob of a state dict of ``schema`` (float32 entries) before its values are
-    written, and its tensors as views into the blob's bytes, by name (sorted): once they
-    are filled, the blob is byte for byte ``encode_state_dict`` of them, with no copy. The
-    tensors are float32 in sorted-name order, so the data section is their flattening
-    (:func:`~p2ptrain.aggregate.exact.flatten`'s order). The views keep the blob alive;
-    whoever shares the blob must not write to them afterwards."""
+def write_state_dict(
+    state_dict: Mapping[str, torch.Tensor], spool: BlobSpool
+) -> bytearray | SpooledBlob:
+    """:func:`encode_state_dict`'s bytes, written tensor by tensor into a sink of ``spool``
+    (a file, say) instead of one buffer: the blob the sink gives."""
+    tensors, prefix = _laid_out(state_dict)
+    sink = spool.open(len(prefix) + sum(tensor.nbytes for _, tensor in tensors))
+    sink.write(0, prefix)
+    position = len(prefix)
+    for _, tensor in tensors:
+        if tensor.nbytes:
+            flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+            sink.write(position, flat.numpy().data)
+        position += tensor.nbytes
+    return sink.close()
+
+
+def _laid_out(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[list[tuple[str, torch.Tensor]], bytes]:
+    """The entries in safetensors' data order, and the prefix (length and header)."""
+    _require_little_endian()
+    tensors = sorted(
+        ((name, _plain(name, tensor)) for name, tensor in state_dict.items()),
+        key=lambda item: (_LAYOUT_RANK[item[1].dtype], item[0]),
+    )
+    return tensors, _prefix(tensors, schema_hash(state_dict))
+
+
+class StateLayout(NamedTuple):
+    """Where a float32 state dict's parts lie in its blob: the prefix (length and header),
+    the blob's size, and each entry's byte offset and shape, by name (sorted)."""
+
+    prefix: bytes
+    size: int
+    entries: dict[str, tuple[int, tuple[int, ...]]]
+
+
+def state_layout(schema: Iterable[TensorSpec]) -> StateLayout:
+    """The layout of :func:`encode_state_dict`'s blob of any state dict of ``schema``
+    (float32 entries): entries in sorted-name order, so the data section is their
+    flattening (:func:`~p2ptrain.aggregate.exact.flatten`'s order)."""
     _require_little_endian()
     specs = _sorted_schema(schema)
     for spec in specs:
         if spec.dtype != "float32":
-            raise LocalError(f"a blank state blob holds float32 tensors; {spec.name!r} is not")
+            raise LocalError(f"a float32 state blob holds float32 tensors; {spec.name!r} is not")
     shapes = [
         (spec.name, torch.empty(spec.shape, dtype=torch.float32, device="meta")) for spec in specs
     ]
     prefix = _prefix(shapes, _hash_sorted_schema(specs))
-    data_len = sum(tensor.nbytes for _, tensor in shapes)
-    blob = bytearray(len(prefix) + data_len)
-    blob[: len(prefix)] = prefix
-    views: dict[str, torch.Tensor] = {}
+    entries: dict[str, tuple[int, tuple[int, ...]]] = {}
     position = len(prefix)
     for name, tensor in shapes:
-        count = tensor.numel()
+        entries[name] = (position, tuple(tensor.shape))
+        position += tensor.nbytes
+    return StateLayout(prefix, position, entries)
+
+
+def blank_state_blob(schema: Iterable[TensorSpec]) -> tuple[bytearray, dict[str, torch.Tensor]]:
+    """The blob of a state dict of ``schema`` (float32 entries) before its values are
+    written, and its tensors as views into the blob's bytes, by name (sorted): once they
+    are filled, the blob is byte for byte ``encode_state_dict`` of them, with no copy (see
+    :func:`state_layout`). The views keep the blob alive; whoever shares the blob must not
+    write to them afterwards."""
+    layout = state_layout(schema)
+    blob = bytearray(layout.size)
+    blob[: len(layout.prefix)] = layout.prefix
+    return blob, state_views(blob, layout)
+
+
+def state_views(buffer: bytearray | mmap.mmap, layout: StateLayout) -> dict[str, torch.Tensor]:
+    """The float32 tensors of ``layout`` as views of ``buffer`` (a writable buffer holding
+    the blob: a ``bytearray``, a private file mapping)."""
+    views: dict[str, torch.Tensor] = {}
+    for name, (position, shape) in layout.entries.items():
+        count = math.prod(shape)
         if count:
-            flat = torch.frombuffer(blob, dtype=torch.float32, offset=position, count=count)
+            flat = torch.frombuffer(buffer, dtype=torch.float32, offset=position, count=count)
         else:
             flat = torch.empty(0, dtype=torch.float32)
-        views[name] = flat.view(tensor.shape)
-        position += tensor.nbytes
-    return blob, views
+        views[name] = flat.view(shape)
+    return views
 
 
 def _prefix(tensors: list[tuple[str, torch.Tensor]], schema: str) -> bytes:

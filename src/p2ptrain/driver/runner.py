@@ -294,8 +294,12 @@ class RoleRunner:
 
     def _store_blob(self, effect: StoreBlob) -> None:
         blobs = self.services.store.blobs
-        if effect.blob_id is None or not blobs.has(effect.blob_id):
+        if effect.blob_id is not None and blobs.has(effect.blob_id):
+            return
+        if isinstance(effect.data, bytes | bytearray):
             blobs.put(effect.data)
+        else:
+            blobs.adopt(effect.data)  # a spooled file: renamed, not copied
 
     def _keep_state(self, effect: KeepState) -> None:
         head, blobs = effect.head, self.services.store.blobs

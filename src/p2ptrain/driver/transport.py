@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head
+from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.protocol.reduction import ByteSource
 
 __all__ = [
@@ -111,6 +112,9 @@ class BlobKeep(Protocol):
         ...
 
     def put(self, data: bytes | bytearray | memoryview) -> str: ...
+    def adopt(self, blob: SpooledBlob) -> str:
+        """Keep a blob spooled to a file (moving the file, where the keep is one)."""
+        ...
 
 
 class Keep(Protocol):

@@ -32,6 +32,7 @@ from p2ptrain.observe.events import NodeEvent
 from p2ptrain.protocol.follower import Follower
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.trainer import TrainerMachine
+from p2ptrain.store.spool import FileSpool
 from p2ptrain.torch.workload import Workload
 
 __all__ = ["NodeRoles", "role_runners"]
@@ -87,6 +88,7 @@ def role_runners(
             now=time.monotonic(),
             presence_timeout_s=presence_timeout_s,
             timer=time.perf_counter,  # each reduction's wall seconds, for the status
+            spool=FileSpool(store.blobs.spool_directory),  # heads' blobs: files, not memory
         )
         participant.votes.update(store.votes())
         runners.append(ParticipantRunner(participant, services, failures, emit))

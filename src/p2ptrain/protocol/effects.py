@@ -16,6 +16,7 @@ from typing import Any
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head, Update
+from p2ptrain.core.spool import Blob
 from p2ptrain.protocol.actions import Adopted, Notice, Reported, Train
 
 __all__ = [
@@ -54,7 +55,7 @@ class StoreBlob:
     """Keep these bytes (peers fetch them by hash); ``blob_id``, their hash when known: a
     transport that holds it already skips the write."""
 
-    data: bytes | bytearray
+    data: Blob
     blob_id: str | None = None
 
 

@@ -33,6 +33,7 @@ from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.identity import Identity, peer_id_of
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Head
+from p2ptrain.core.spool import Blob
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_hash, schema_of
 from p2ptrain.errors import ProtocolViolation
 from p2ptrain.protocol.actions import (
@@ -45,7 +46,7 @@ from p2ptrain.protocol.actions import (
     Reported,
 )
 from p2ptrain.protocol.chain import CertifiedHead, ChainPage, HeadChain
-from p2ptrain.protocol.reduction import BaseState, outer_step
+from p2ptrain.protocol.reduction import BaseState, blob_ids, outer_step
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 
 __all__ = ["ChainRole", "Follower", "FollowerStatistics"]
@@ -223,8 +224,8 @@ class Follower:
             ]
         step = outer_step(self.manifest, self.base, pseudo_gradient)
         self.outer_steps += 1
-        optimizer = None if step.optimizer_blob is None else sha256_hex(step.optimizer_blob)
-        if sha256_hex(step.weights_blob) != head.weights_blob or optimizer != head.optimizer_blob:
+        weights, optimizer = blob_ids(step.weights_blob, step.optimizer_blob)
+        if weights != head.weights_blob or optimizer != head.optimizer_blob:
             self.aggregate_mismatches += 1
             self.last_reason = (
                 f"height {head.height}: our outer step of the aggregate does not give the "
@@ -233,6 +234,8 @@ class Follower:
             return [FetchState(None, tip.head, tip.head_id)]
         self.aggregates_applied += 1
         state = BaseState(head, head_id, step.weights, step.optimizer_state, aggregate_blob)
+        assert isinstance(step.weights_blob, bytearray)  # stepped in memory (no spool)
+        assert step.optimizer_blob is None or isinstance(step.optimizer_blob, bytearray)
         self._served = (head_id, (step.weights_blob, step.optimizer_blob))
         actions = self._adopt(now, state, f"applied the aggregate of height {head.height}")
         following = self._next_link()  # certified meanwhile: on to the next
@@ -252,7 +255,7 @@ class Follower:
             bases.append(link.head_id)
         return tuple(bases)
 
-    def aggregate_of(self, head_id: str) -> bytes | bytearray | None:
+    def aggregate_of(self, head_id: str) -> Blob | None:
         """The encoded aggregate of ``head_id``, if this role holds it (to serve peers)."""
         return self.base.aggregate if head_id == self.base.head_id else None
 
@@ -502,7 +505,7 @@ class ChainRole:
     def state_of(self, head_id: str) -> tuple[bytes | bytearray, bytes | bytearray | None] | None:
         return self.follower.state_of(head_id)
 
-    def aggregate_of(self, head_id: str) -> bytes | bytearray | None:
+    def aggregate_of(self, head_id: str) -> Blob | None:
         return self.follower.aggregate_of(head_id)
 
 

@@ -57,11 +57,11 @@ from dataclasses import dataclass, field
 import torch
 
 from p2ptrain.core.certificate import Verdict
-from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity, peer_id_of
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Attestation, Proposal, Update
+from p2ptrain.core.spool import BlobSpool
 from p2ptrain.protocol.actions import (
     Action,
     FetchUpdates,
@@ -145,7 +145,9 @@ class Participant(ChainRole):
     node's follower (``follow``; or the genesis weights, for a participant alone). The heads
     it reduces are the follower's known states: adopting one needs no second outer step.
     ``timer``: what times each reduction, in seconds (the node's :func:`time.perf_counter`;
-    None: not timed, as in the simulator, whose reports are compared byte for byte)."""
+    None: not timed, as in the simulator, whose reports are compared byte for byte).
+    ``spool``: where reductions write their heads' blobs (the node's blob store, so they
+    cost no memory and it adopts them without a copy; None: in memory)."""
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class Participant(ChainRole):
         now: float = 0.0,
         presence_timeout_s: float | None = None,
         timer: Callable[[], float] | None = None,
+        spool: BlobSpool | None = None,
     ) -> None:
         super().__init__(self.follower_of(manifest, identity, follow))
         if self.follower.state_source is not None:
@@ -182,6 +185,8 @@ class Participant(ChainRole):
         self.wrong_count = 0
         self.reductions = 0
         self._timer = timer
+        #: Where reductions write the blobs of their heads (None: in memory).
+        self._spool = spool
         self._last_reduction: ReductionTiming | None = None
         self._open(self.base, now)
 
@@ -537,7 +542,9 @@ class Participant(ChainRole):
             w = self._window
             timer = self._timer
             started = 0.0 if timer is None else timer()
-            reduction = reduce_window(self.manifest, w.base, cohort, self.leases, w.bases)
+            reduction = reduce_window(
+                self.manifest, w.base, cohort, self.leases, w.bases, spool=self._spool
+            )
             if timer is not None:
                 self._timed(w.base.window, timer() - started, len(reduction.accepted))
             self._reductions[key] = reduction
@@ -645,8 +652,7 @@ class Participant(ChainRole):
             return Verdict(False, "accepted updates differ from our recomputation")
         if reduction.rejected != proposal.rejected:
             return Verdict(False, "rejected updates or reasons differ from our recomputation")
-        assert reduction.aggregate_blob is not None
-        if sha256_hex(reduction.aggregate_blob) != proposal.aggregate_blob:
+        if reduction.head.aggregate_blob != proposal.aggregate_blob:
             return Verdict(False, "aggregate differs from our recomputation")
         if reduction.head_id != proposal.head.id:
             return Verdict(False, "head (weights or quarantine) differs from our recomputation")
@@ -655,7 +661,7 @@ class Participant(ChainRole):
     def _propose_own(self, actions: list[Action]) -> tuple[Event, str | None]:
         w = self._window
         reduction = self._reduce(self._cohort())
-        if reduction.head is None or reduction.aggregate_blob is None:
+        if reduction.head is None or reduction.head.aggregate_blob is None:
             # not proposed: tried again as late updates arrive (the reduction of an
             # unchanged cohort is cached)
             self.last_reason = f"no proposal: {reduction.reason}{_refusals(reduction)}"
@@ -667,7 +673,7 @@ class Participant(ChainRole):
             reducer=self.key,
             accepted=reduction.accepted,
             rejected=reduction.rejected,
-            aggregate_blob=sha256_hex(reduction.aggregate_blob),
+            aggregate_blob=reduction.head.aggregate_blob,
             head=reduction.head,
         )
         signed = seal(self.identity, proposal)

@@ -41,6 +41,7 @@ from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.core.spool import Blob
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol.chain import ChainPage
 from p2ptrain.protocol.effects import (
@@ -454,8 +455,13 @@ class ParticipantPolicy(RolePolicy):
         reduction = self.machine.reduction_of(head_id)
         if reduction is None:
             return []
-        blobs = (reduction.weights_blob, reduction.optimizer_blob)
-        return [StoreBlob(blob) for blob in blobs if blob is not None]
+        head = reduction.head
+        assert head is not None  # a reduction kept by head id made one
+        blobs: list[tuple[Blob | None, str | None]] = [
+            (reduction.weights_blob, head.weights_blob),
+            (reduction.optimizer_blob, head.optimizer_blob),
+        ]
+        return [StoreBlob(blob, blob_id) for blob, blob_id in blobs if blob is not None]
 
     def adopted(self, now: float, action: act.Adopted) -> list[Effect]:
         """A new window opened: replay what arrived early for it."""

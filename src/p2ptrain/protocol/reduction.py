@@ -27,7 +27,7 @@ import torch
 from p2ptrain.aggregate.aggregate_blob import settle_aggregate
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
-from p2ptrain.aggregate.outer import make_outer_optimizer
+from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
 from p2ptrain.aggregate.screening import Checked, ScreeningOutcome, measure, screen_cohort
 from p2ptrain.aggregate.update_reader import ByteSource, MemoryBytes, UpdateVector, source_of
@@ -36,7 +36,15 @@ from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, Rejection, Update
-from p2ptrain.core.tensors import TensorSpec, blank_state_blob, schema_of
+from p2ptrain.core.spool import Blob, BlobSpool, SpooledBlob
+from p2ptrain.core.tensors import (
+    StateLayout,
+    TensorSpec,
+    blank_state_blob,
+    schema_of,
+    state_layout,
+    state_views,
+)
 from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.quarantine import excluded_until, next_standings
@@ -57,6 +65,8 @@ __all__ = [
 Tensors = Mapping[str, torch.Tensor]
 #: Bytes per read when a reduction hashes a blob itself.
 _HASH_READ = 1 << 24
+#: Values per slice of a spooled outer step (16 MB of float32 per output).
+_STEP_SLICE = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +79,7 @@ class BaseState:
     optimizer_state: Tensors | None = None
     #: The encoded aggregate that stepped the parent to this head, when this role holds it
     #: (it computed the head or applied the aggregate itself): peers fetch it from us.
-    aggregate: bytes | bytearray | None = None
+    aggregate: Blob | None = None
 
     @property
     def window(self) -> int:
@@ -99,10 +109,10 @@ class Reduction:
     head: Head | None = None
     head_id: str | None = None
     weights: dict[str, torch.Tensor] | None = None
-    weights_blob: bytes | bytearray | None = None
+    weights_blob: Blob | None = None
     optimizer_state: dict[str, torch.Tensor] | None = None
-    optimizer_blob: bytes | bytearray | None = None
-    aggregate_blob: bytes | bytearray | None = None
+    optimizer_blob: Blob | None = None
+    aggregate_blob: Blob | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,22 +121,33 @@ class Stepped:
     ``weights_blob`` and ``optimizer_blob`` are their hashes)."""
 
     weights: dict[str, torch.Tensor]
-    weights_blob: bytes | bytearray
+    weights_blob: Blob
     optimizer_state: dict[str, torch.Tensor] | None
-    optimizer_blob: bytes | bytearray | None
+    optimizer_blob: Blob | None
 
 
-def outer_step(manifest: ExperimentManifest, base: BaseState, pseudo_gradient: Tensors) -> Stepped:
+def outer_step(
+    manifest: ExperimentManifest,
+    base: BaseState,
+    pseudo_gradient: Tensors,
+    spool: BlobSpool | None = None,
+) -> Stepped:
     """The manifest's outer step of ``base`` by the aggregate ``pseudo_gradient``: what a
     reducer or validator computes for its proposal, and what a follower holding ``base``
     computes from the head's aggregate (the same bits, so the same hashes). The new weights
     and state are written straight into their blobs' bytes (the tensors are views of them):
-    encoding them costs no copy."""
+    encoding them costs no copy. With ``spool``, the blobs are written a few megabytes at a
+    time into its sinks (files, say), and the tensors are views of the finished blobs."""
     optimizer = make_outer_optimizer(manifest.outer_optimizer)
     schema = schema_of(base.weights)
-    weights_blob, weights = blank_state_blob(schema)
     specs = {spec.name: spec for spec in schema}
     state_names = optimizer.state_names(specs)
+    if spool is not None:
+        state_of = {name: key for key, name in state_names.items()}
+        return _spooled_step(
+            optimizer, base, pseudo_gradient, spool=spool, schema=schema, state_of=state_of
+        )
+    weights_blob, weights = blank_state_blob(schema)
     optimizer_blob: bytearray | None = None
     state: dict[str, torch.Tensor] = {}
     if state_names:
@@ -146,6 +167,77 @@ def outer_step(manifest: ExperimentManifest, base: BaseState, pseudo_gradient: T
         optimizer_state=state or None,
         optimizer_blob=optimizer_blob,
     )
+
+
+def _spooled_step(
+    optimizer: OuterOptimizer,
+    base: BaseState,
+    pseudo_gradient: Tensors,
+    *,
+    spool: BlobSpool,
+    schema: Sequence[TensorSpec],
+    state_of: Mapping[str, str],
+) -> Stepped:
+    """:func:`outer_step` a slice of a parameter at a time (elementwise, so the same bits),
+    each slice of the new weights and state (``state_of``: each parameter's state entry)
+    written into its blob's sink at its offset."""
+    old_state = base.optimizer_state or None
+    if old_state is not None and set(old_state) != set(state_of.values()):
+        raise LocalError(
+            "the outer optimizer state does not match the weights; pass the state saved with "
+            "these weights, or an empty one to start from zero momentum"
+        )
+    weights_layout = state_layout(schema)
+    weights_sink = spool.open(weights_layout.size)
+    weights_sink.write(0, weights_layout.prefix)
+    state_schema = [
+        TensorSpec(state_of[spec.name], spec.shape, "float32")
+        for spec in schema
+        if spec.name in state_of
+    ]
+    state_out = state_layout(state_schema) if state_schema else None
+    state_sink = None if state_out is None else spool.open(state_out.size)
+    if state_sink is not None and state_out is not None:
+        state_sink.write(0, state_out.prefix)
+    new_theta = torch.empty(_STEP_SLICE, dtype=torch.float32)
+    new_buffer = torch.empty(_STEP_SLICE, dtype=torch.float32)
+    for spec in schema:
+        name, key = spec.name, state_of.get(spec.name)
+        theta = base.weights[name].reshape(-1)
+        g = pseudo_gradient[name].reshape(-1)
+        old = None if old_state is None or key is None else old_state[key].reshape(-1)
+        for first in range(0, theta.numel(), _STEP_SLICE):
+            last = min(first + _STEP_SLICE, theta.numel())
+            theta_out, buffer_out = new_theta[: last - first], new_buffer[: last - first]
+            optimizer.step_into(
+                {name: theta[first:last]},
+                {name: g[first:last]},
+                None if old is None or key is None else {key: old[first:last]},
+                new_params={name: theta_out},
+                new_state={} if key is None else {key: buffer_out},
+            )
+            weights_sink.write(weights_layout.entries[name][0] + 4 * first, theta_out.numpy().data)
+            if key is not None and state_sink is not None and state_out is not None:
+                state_sink.write(state_out.entries[key][0] + 4 * first, buffer_out.numpy().data)
+    weights_blob = weights_sink.close()
+    optimizer_blob = None if state_sink is None else state_sink.close()
+    return Stepped(
+        weights=_tensors_of(weights_blob, weights_layout),
+        weights_blob=weights_blob,
+        optimizer_state=(
+            None
+            if optimizer_blob is None or state_out is None
+            else _tensors_of(optimizer_blob, state_out)
+        ),
+        optimizer_blob=optimizer_blob,
+    )
+
+
+def _tensors_of(blob: bytearray | SpooledBlob, layout: StateLayout) -> dict[str, torch.Tensor]:
+    """A finished state blob's tensors, as views of it."""
+    if isinstance(blob, bytearray):
+        return state_views(blob, layout)
+    return blob.tensors()
 
 
 def belongs_to_window(
@@ -173,14 +265,19 @@ def _hashers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=3, thread_name_prefix="p2ptrain-hash")
 
 
-def blob_ids(*blobs: bytes | bytearray | None) -> list[str | None]:
+def blob_ids(*blobs: Blob | None) -> list[str | None]:
     """The SHA-256 ids of a head's blobs (None stays None), hashed at the same time on as
     many threads as there are blobs of real size (hashlib lets go of the GIL): a new
-    state's weights and optimizer blobs are each as large as the model."""
+    state's weights and optimizer blobs are each as large as the model. A spooled blob is
+    hashed from its file."""
+
+    def hashed(blob: Blob) -> str:
+        return sha256_hex(blob) if isinstance(blob, bytes | bytearray) else blob.blob_id
+
     large = [blob for blob in blobs if blob is not None and len(blob) >= _HASH_READ]
     if len(large) < 2:
-        return [None if blob is None else sha256_hex(blob) for blob in blobs]
-    futures = [None if blob is None else _hashers().submit(sha256_hex, blob) for blob in blobs]
+        return [None if blob is None else hashed(blob) for blob in blobs]
+    futures = [None if blob is None else _hashers().submit(hashed, blob) for blob in blobs]
     return [None if future is None else future.result() for future in futures]
 
 
@@ -284,13 +381,17 @@ def reduce_window(
     cohort: Sequence[Submission],
     leases: LeaseBook,
     bases: Collection[str] = (),
+    *,
+    spool: BlobSpool | None = None,
 ) -> Reduction:
     """Reduce ``cohort`` (in any order) on ``base``. Raises :class:`LocalError` when the
     cohort holds an update that is not for this window (``bases``: as for
     :func:`belongs_to_window`) or is larger than ``window.max_updates`` -- a caller that
     builds cohorts must filter first (a proposal that names such a cohort is invalid:
     ``Participant`` judges it so). The aggregate of updates built on older heads steps
-    ``base`` like the others (one-step-delayed outer steps)."""
+    ``base`` like the others (one-step-delayed outer steps). With ``spool``, the head's
+    blobs are written into its sinks (files: the reduction then holds none of them in
+    memory) and the reduction's tensors are views of them."""
     window = base.window
     if len(cohort) > manifest.window.max_updates:
         raise LocalError(f"a cohort of {len(cohort)} updates exceeds window.max_updates")
@@ -318,10 +419,12 @@ def reduce_window(
         return without_head(f"aggregation produced nothing: {result.reason}")
     rule_reason = result.reason
     pseudo_gradient, aggregate_blob = settle_aggregate(
-        unflatten(result.aggregate, base.weights, copy=False), manifest.aggregation.precision
+        unflatten(result.aggregate, base.weights, copy=False),
+        manifest.aggregation.precision,
+        spool,
     )
-    del result, outcome  # the aggregate's values are in its blob now
-    step = outer_step(manifest, base, pseudo_gradient)
+    del result, outcome  # in memory, the aggregate's values are in its blob now
+    step = outer_step(manifest, base, pseudo_gradient, spool)
     del pseudo_gradient
     standings = next_standings(
         base.head.quarantine,

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.records import Head
+from p2ptrain.core.spool import Blob
 from p2ptrain.protocol.actions import Action
 from p2ptrain.protocol.chain import ChainPage, HeadChain
 from p2ptrain.protocol.follower import FollowerStatistics
@@ -80,7 +81,7 @@ class RoleMachine(Protocol):
         self, head_id: str
     ) -> tuple[bytes | bytearray, bytes | bytearray | None] | None: ...
 
-    def aggregate_of(self, head_id: str) -> bytes | bytearray | None: ...
+    def aggregate_of(self, head_id: str) -> Blob | None: ...
 
     def next_wakeup(self, now: float) -> float | None:
         """When :meth:`tick` next has something to do (None: only inputs move it)."""

@@ -28,6 +28,7 @@ from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.encoding import decode, sha256_hex
 from p2ptrain.core.envelope import KINDS, open_envelope
 from p2ptrain.core.records import Head
+from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.driver.racing import hedged
 from p2ptrain.driver.transport import ProviderNote
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
@@ -73,6 +74,9 @@ class SimBlobs:
         blob_id = sha256_hex(blob)
         self.data[blob_id] = blob
         return blob_id
+
+    def adopt(self, blob: SpooledBlob) -> str:
+        return self.put(blob.read(0, len(blob)))
 
 
 @dataclass

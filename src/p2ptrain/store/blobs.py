@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.errors import BlobCorrupted, BlobNotFound, LocalError, ProtocolViolation
 from p2ptrain.store.blob_io import (
     PARALLEL_MIN_BYTES,
@@ -325,6 +326,20 @@ class BlobStore:
                 f"cannot move {source} into the blob store at {self._root}: {exc}; "
                 "keep files to adopt on the store's filesystem (under its root)"
             ) from exc
+
+    def adopt(self, blob: SpooledBlob) -> str:
+        """Make a blob spooled under :attr:`spool_directory` visible, by renaming its file
+        (its id, hashed when it was spooled or now, is trusted: it is our own). Returns the
+        id; the spooled blob reads on from the store's file."""
+        blob_id = self.adopt_verified(blob.path, blob.blob_id, len(blob))
+        blob.adopted(str(self._path(blob_id)))
+        return blob_id
+
+    @property
+    def spool_directory(self) -> Path:
+        """Where to spool blobs this store will adopt (:class:`~p2ptrain.store.spool.FileSpool`):
+        its temporaries, on its filesystem, cleared of a crashed run's files."""
+        return self._tmp
 
     # -- reading -------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import re
@@ -29,6 +30,7 @@ from p2ptrain.core.manifests import (
 )
 from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, QuarantineEntry, Update
+from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.core.tensors import encode_state_dict, schema_of
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol.chain import genesis_head
@@ -41,6 +43,7 @@ from p2ptrain.protocol.reduction import (
     reduce_window,
 )
 from p2ptrain.store.blobs import BlobStore
+from p2ptrain.store.spool import FileSpool
 from tests.support.builders import experiment, h, identity
 
 Tensors = dict[str, torch.Tensor]
@@ -481,3 +484,69 @@ def test_a_heads_blob_ids_are_their_sha256_however_many_are_large() -> None:
     assert blob_ids(*large, small) == expected
     assert blob_ids(large[0], None, small) == [expected[0], None, expected[2]]
     assert blob_ids(small, None) == [expected[2], None]
+
+
+# ------------------------------------------------------------------------ spooled blobs
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "precision"),
+    [("sgd", "fp32"), ("nesterov", "fp32"), ("nesterov", "int8")],
+)
+def test_a_reduction_spooled_to_files_gives_the_same_bytes(
+    tmp_path: Path, optimizer: str, precision: str
+) -> None:
+    """Spooled into a store's files, a reduction writes the bytes it builds in memory, under
+    the same ids; the store adopts each file by renaming it; the next window reduces from
+    the spooled state (tensors mapped from the files) to the same head as from memory."""
+    manifest = msgspec.structs.replace(
+        MANIFEST,
+        protocol="fedavg" if optimizer == "sgd" else "diloco",
+        outer_optimizer=(
+            OuterOptimizerSpec(name="sgd", lr=1.0, momentum=0.0)
+            if optimizer == "sgd"
+            else OuterOptimizerSpec()
+        ),
+        aggregation=AggregationSpec(rule="mean", precision=precision),
+    )
+    base = BaseState(genesis_head(manifest), genesis_head(manifest).id, base_weights())
+    cohort = [submit(t, delta(i), base=base, manifest=manifest) for i, t in enumerate(HONEST)]
+    in_memory = reduce_window(manifest, base, cohort, LeaseBook(manifest))
+    with BlobStore(tmp_path / "blobs") as store:
+        spool = FileSpool(store.spool_directory)
+        spooled = reduce_window(manifest, base, cohort, LeaseBook(manifest), spool=spool)
+        assert spooled.head_id == in_memory.head_id is not None
+        assert spooled.head is not None
+        pairs = [
+            (spooled.weights_blob, in_memory.weights_blob, spooled.head.weights_blob),
+            (spooled.aggregate_blob, in_memory.aggregate_blob, spooled.head.aggregate_blob),
+            (spooled.optimizer_blob, in_memory.optimizer_blob, spooled.head.optimizer_blob),
+        ]
+        for file, memory, blob_id in pairs:
+            if memory is None:
+                assert file is None and blob_id is None
+                continue
+            assert isinstance(file, SpooledBlob) and isinstance(memory, bytearray)
+            assert file.read(0, len(file)) == memory
+            assert file.blob_id == blob_id == sha256_hex(memory)
+            assert store.adopt(file) == blob_id
+            assert store.get(blob_id) == memory
+            assert file.read(0, len(file)) == memory  # still readable where it went
+        assert spooled.weights is not None and in_memory.weights is not None
+        assert_same_tensors(spooled.weights, dict(in_memory.weights))
+        after = BaseState(spooled.head, spooled.head_id, spooled.weights, spooled.optimizer_state)
+        memory_after = BaseState(
+            spooled.head, spooled.head_id, in_memory.weights, in_memory.optimizer_state
+        )
+        second = [
+            submit(t, delta(i + 1), base=after, manifest=manifest) for i, t in enumerate(HONEST)
+        ]
+        again = reduce_window(manifest, after, second, LeaseBook(manifest), spool=spool)
+        expected = reduce_window(manifest, memory_after, second, LeaseBook(manifest))
+        assert again.head_id == expected.head_id is not None
+        kept = [blob_id for _, _, blob_id in pairs if blob_id is not None]
+        del spooled, pairs, file, again, after
+        gc.collect()
+        # what the store adopted stays; what it did not is gone with its last user
+        assert list(store.spool_directory.iterdir()) == []
+        assert all(store.has(blob_id) for blob_id in kept)
