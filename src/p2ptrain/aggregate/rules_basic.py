@@ -95,7 +95,15 @@ class RowSums:
     of one span (:meth:`terms`) and hands them back (:meth:`collect`).
     """
 
-    def __init__(self, rows: int, length: int, batch_rows: int, workspace: Workspace) -> None:
+    def __init__(
+        self,
+        rows: int,
+        length: int,
+        batch_rows: int,
+        workspace: Workspace,
+        *,
+        key: str = "row_sums",
+    ) -> None:
         self.length = length
         self.width = CHUNK if length > CHUNK else pow2_at_least(length)
         self.span = SPAN if length > CHUNK else self.width
@@ -103,16 +111,16 @@ class RowSums:
         # Keep the stored partial sums bounded when there are many rows (Krum's pairs).
         affordable = max(1, PARTIAL_BUDGET // max(1, rows * blocks))
         self.tail = min(TAIL, self.width, 1 << (affordable.bit_length() - 1))
-        partial = workspace.get("row_sums.partial", rows * blocks * self.tail, torch.float64)
+        partial = workspace.get(f"{key}.partial", rows * blocks * self.tail, torch.float64)
         self._partial = partial.view(rows, blocks, self.tail).zero_()
-        self._batch_rows, self._workspace = batch_rows, workspace
+        self._batch_rows, self._workspace, self._key = batch_rows, workspace, key
         self._scratch_rows: torch.Tensor | None = None
 
     @property
     def _scratch(self) -> torch.Tensor:
         if self._scratch_rows is None:
             size = self._batch_rows * self.span
-            scratch = self._workspace.get("row_sums.scratch", size, torch.float64)
+            scratch = self._workspace.get(f"{self._key}.scratch", size, torch.float64)
             self._scratch_rows = scratch.view(self._batch_rows, self.span)
         return self._scratch_rows
 
@@ -125,13 +133,17 @@ class RowSums:
         *,
         base: int = 0,
         products: bool = False,
+        squares: RowSums | None = None,
     ) -> bool:
         """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
         (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
         when it is given; False (nothing done) when the kernel cannot take them. ``rows``
         and ``aggregate`` may be spans that start at value ``base``. The terms are squared
-        differences from the aggregate, or with ``products`` products with it."""
+        differences from the aggregate, or with ``products`` products with it; ``squares``
+        (of the same shape) gets each row's squares in the same pass."""
         if self.width != CHUNK or len(rows) != self._partial.shape[0]:
+            return False
+        if squares is not None and squares._partial.shape != self._partial.shape:
             return False
         tensors: list[torch.Tensor | None] = []
         for row in rows:
@@ -149,6 +161,7 @@ class RowSums:
             base=base,
             length=self.length,
             products=products,
+            squares=None if squares is None else squares._partial,
         )
 
     def _blocks(self, start: int, end: int) -> int:

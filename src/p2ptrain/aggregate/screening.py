@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2ptrain.aggregate import native
 from p2ptrain.aggregate.cohort import Contribution, Failure, FlatVector
 from p2ptrain.aggregate.exact import all_finite, flatten
 from p2ptrain.aggregate.rules_basic import (
@@ -53,6 +54,18 @@ class Checked:
     weight: float = 1.0
     #: Its L2 norm (exactly ``norm64``), when already measured.
     norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Centre:
+    """The cohort's robust centre seen through its products with ``update_ids`` (in that
+    order) and its own norm: what :func:`_centre_products` gives for exactly these updates,
+    computed ahead (:func:`measure_with_centre`) on the bet that none is screened out on
+    its norm."""
+
+    update_ids: tuple[str, ...]
+    dots: tuple[float, ...]
+    norm: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +148,52 @@ def measure(vectors: Sequence[FlatVector], workspace: Workspace | None = None) -
     return [problems[i] if i in problems else math.sqrt(totals[i]) for i in range(n)]
 
 
+def measure_with_centre(
+    vectors: Sequence[FlatVector],
+) -> tuple[list[float], tuple[float, ...], float] | None:
+    """:func:`measure` and, in the same pass, the centre of all ``vectors`` (what
+    :func:`_centre_products` gives for them: the dot products, the centre's norm): one read
+    of every value instead of two when no update is turned down on its norm, as in an
+    honest window. None when the C kernel cannot take the pass or a read fails: then
+    :func:`measure` tells what failed."""
+    if not vectors:
+        return None
+    n, length = len(vectors), vectors[0].numel()
+    workspace = Workspace()
+    sums = RowSums(n + 1, length, n + 1, workspace)
+    squares = RowSums(n + 1, length, n + 1, workspace, key="row_sums.squares")
+    median = TrimmedSpans(n, (n - 1) // 2, workspace)
+    kernel = median.native()
+    if kernel is None or not native.available():
+        return None
+    width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
+    centre = torch.empty(width, dtype=torch.float32)
+    for first, last in windows(length, sums.span):
+        spans: list[torch.Tensor] = []
+        for read in read_window(vectors, first, last):
+            if not isinstance(read, torch.Tensor) or not all_finite(read):
+                return None
+            spans.append(read)
+        window = centre[: last - first]
+        # the centre itself is the last row: its product with itself is its squared norm
+        if not sums.fill_natively(
+            [*spans, window], kernel, window, (first, last), base=first, products=True,
+            squares=squares,
+        ):  # fmt: skip
+            return None
+    dots, norms = sums.totals(), squares.totals()
+    return [math.sqrt(value) for value in norms[:n]], tuple(dots[:n]), math.sqrt(dots[n])
+
+
 def screen_cohort(
-    candidates: Sequence[Candidate | Checked], schema: Sequence[TensorSpec], spec: ScreeningSpec
+    candidates: Sequence[Candidate | Checked],
+    schema: Sequence[TensorSpec],
+    spec: ScreeningSpec,
+    centre: Centre | None = None,
 ) -> ScreeningOutcome:
     """Screen a window's updates; the outcome does not depend on the order of ``candidates``
-    (a :class:`Checked` one gives the verdict its tensors would)."""
+    (a :class:`Checked` one gives the verdict its tensors would). ``centre``: the centre of
+    some updates computed ahead, used when exactly those pass the norm test."""
     ordered = sorted(candidates, key=lambda c: c.update_id)
     verdicts: dict[str, ScreeningVerdict] = {}
     vectors: dict[str, FlatVector] = {}
@@ -161,7 +215,10 @@ def screen_cohort(
         norms[update_id] = norm
     median_norm = statistics.median(norms.values()) if norms else 0.0
     in_range = _norm_screen(norms, median_norm, spec.max_norm_ratio, verdicts)
-    dots, centre_norm = _centre_products([vectors[i] for i in in_range])
+    if centre is not None and tuple(in_range) == centre.update_ids:
+        dots, centre_norm = list(centre.dots), centre.norm
+    else:
+        dots, centre_norm = _centre_products([vectors[i] for i in in_range])
     for update_id, dot in zip(in_range, dots, strict=True):
         ratio = norms[update_id] / median_norm if median_norm > 0 else 1.0
         if centre_norm == 0.0 or norms[update_id] == 0.0:

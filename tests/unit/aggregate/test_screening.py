@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from p2ptrain.aggregate.screening import Candidate, check_structure, screen_cohort
+from p2ptrain.aggregate.screening import (
+    Candidate,
+    Centre,
+    _centre_products,
+    check_structure,
+    measure,
+    measure_with_centre,
+    screen_cohort,
+)
 from p2ptrain.core.manifests import ScreeningSpec
 from p2ptrain.core.reasons import describe
 from p2ptrain.core.tensors import schema_of
@@ -94,3 +102,39 @@ def test_structure_check_accepts_a_matching_update() -> None:
 def test_an_empty_cohort_screens_to_nothing() -> None:
     outcome = screen_cohort([], SCHEMA, SPEC)
     assert outcome.verdicts == () and outcome.contributions == () and outcome.failures == ()
+
+
+@pytest.mark.parametrize(("n", "length"), [(1, 70_000), (5, 3 * 65_536 + 123), (16, 140_000)])
+def test_the_first_pass_with_the_centre_gives_the_bits_of_two_passes(n: int, length: int) -> None:
+    """measure_with_centre: the norms of measure() and the centre products of the separate
+    centre pass, bit for bit (random values, -0.0 and zeros among them)."""
+    generator = torch.Generator().manual_seed(SEED + n)
+    vectors = [torch.randn(length, generator=generator) * (1 + i) for i in range(n)]
+    vectors[0][:7] = -0.0
+    vectors[-1][100:200] = 0.0
+    ahead = measure_with_centre(vectors)
+    assert ahead is not None, "the kernel is installed in the tests"
+    norms, dots, centre_norm = ahead
+    assert norms == measure(vectors), f"seed={SEED + n}"
+    assert (list(dots), centre_norm) == _centre_products(vectors), f"seed={SEED + n}"
+
+
+def test_the_first_pass_leaves_a_bad_vector_to_measure() -> None:
+    vectors = [torch.ones(70_000), torch.ones(70_000)]
+    vectors[1][69_999] = float("nan")
+    assert measure_with_centre(vectors) is None
+    assert isinstance(measure(vectors)[1], str)
+
+
+def test_a_centre_computed_ahead_is_used_only_for_the_updates_it_was_made_of() -> None:
+    cohort = honest_cohort(6)
+    cohort.append(Candidate(f"{6:064x}", {k: v * 50 for k, v in cohort[0].tensors.items()}))
+    plain = screen_cohort(cohort, SCHEMA, SPEC)
+    assert not verdict_of(plain, f"{6:064x}").accepted  # turned down on its norm
+    ids = tuple(c.update_id for c in cohort)
+    wrong = Centre(ids, tuple(1.0 for _ in ids), 1.0)  # made of all seven: not used
+    assert screen_cohort(cohort, SCHEMA, SPEC, wrong).verdicts == plain.verdicts
+    honest = cohort[:6]
+    centre = Centre(tuple(c.update_id for c in honest), tuple(-1.0 for _ in honest), 1.0)
+    hinted = screen_cohort(honest, SCHEMA, SPEC, centre)  # used: every cosine is negative
+    assert not any(v.accepted for v in hinted.verdicts)

@@ -96,6 +96,7 @@ def _function() -> Any | None:
         ctypes.c_void_p,  # partial
         ctypes.c_int64,  # partial_blocks
         ctypes.c_int64,  # products
+        ctypes.c_void_p,  # squares
     ]
     return function
 
@@ -190,6 +191,7 @@ def stream_pass(
     base: int = 0,
     length: int | None = None,
     products: bool = False,
+    squares: torch.Tensor | None = None,
 ) -> bool:
     """Fill ``partial`` (float64, ``(len(rows), blocks, tail)``) with each row's per-block
     tree sums of squared distances to ``aggregate``, after writing into ``aggregate`` the
@@ -199,9 +201,10 @@ def stream_pass(
     and ``aggregate`` may be spans of the vectors, starting at
     position ``base`` of vectors of ``length`` values (default: they are whole). With
     ``products``, the sums are of each row's products with the aggregate (float32 x float32,
-    exact in float64; a row that is the aggregate's own span gives its squared norm). Returns
-    False, touching nothing, when the kernel is unavailable or a tensor is not a contiguous
-    CPU float32 one."""
+    exact in float64; a row that is the aggregate's own span gives its squared norm).
+    ``squares`` (float64, shaped like ``partial``) gets each row's sums of its own squares
+    (its squared norm's tree) in the same pass. Returns False, touching nothing, when the
+    kernel is unavailable or a tensor is not a contiguous CPU float32 one."""
     function = _function()
     if function is None or not _usable(aggregate):
         return False
@@ -219,6 +222,13 @@ def stream_pass(
         if chunk < _WIDTH or tail > _WIDTH:
             return False
         partial_pointer = partial.data_ptr()
+    squares_pointer = None
+    if squares is not None:
+        if partial is None or squares.shape != partial.shape:
+            return False
+        if squares.dtype != torch.float64 or not squares.is_contiguous():
+            return False
+        squares_pointer = squares.data_ptr()
     if isinstance(combine, Trimmed) and any(row is None for row in rows[: combine.n]):
         return False
     pointers = (ctypes.c_void_p * len(rows))(*[None if r is None else r.data_ptr() for r in rows])
@@ -246,7 +256,7 @@ def stream_pass(
                 pointers, n_rows, mode, c_index, c_coefficients, count, c_pairs, n_pairs, trim,
                 dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
                 begin, min(begin + per_task, last), _WIDTH, tail, partial_pointer, partial_blocks,
-                int(products),
+                int(products), squares_pointer,
             )
         )  # fmt: skip
 

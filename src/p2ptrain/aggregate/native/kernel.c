@@ -54,9 +54,12 @@ static inline void trimmed_slice(const float *const *rows, int64_t n, const int6
         float *a = wires + pairs[2 * p] * tail;
         float *b = wires + pairs[2 * p + 1] * tail;
         for (int64_t j = 0; j < valid; j++) {
+            /* both stores unconditional: compilers make them min and max instructions,
+             * not a branch on whether the pair is already in order (wires hold no -0.0) */
             const float x = a[j], y = b[j];
-            a[j] = y < x ? y : x;
-            b[j] = y < x ? x : y;
+            const float low = y < x ? y : x, high = x < y ? y : x;
+            a[j] = low;
+            b[j] = high;
         }
     }
     const int64_t kept = n - 2 * trim;
@@ -118,7 +121,8 @@ static inline void slice_terms_onto(const float *row, const float *agg, int64_t 
  * `rows[i]` and `aggregate` point at the values of position `base` (a span of the vectors);
  * `length` and the blocks count positions of the whole vectors. A NULL `partial` asks for
  * the aggregate alone (no distances); `products` sums each row's products with the
- * aggregate (exact in float64) instead of its squared distances.
+ * aggregate (exact in float64) instead of its squared distances; a non-NULL `squares`
+ * (shaped like `partial`) gets, in the same pass, each row's sums of its own squares.
  * mode GIVEN: `aggregate` is read; WEIGHTED: sum_k coefficients[k] * rows[combine[k]];
  * TRIMMED: rows 0..n_combine-1 sorted per coordinate by the comparators `pairs`, `trim`
  * dropped from each side, the drops counted into dropped[0..n_combine-1]. */
@@ -128,14 +132,15 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
                     float *aggregate, int64_t length, int64_t base, int64_t block_begin,
                     int64_t block_end, int64_t width, int64_t tail, double *partial,
-                    int64_t partial_blocks,
-                    int64_t products) {
+                    int64_t partial_blocks, int64_t products, double *squares) {
     const int64_t slices = CHUNK / width;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
     const int levels = bits + 1;
-    /* per row: `levels` pending partial sums of `width` values */
-    double *stack = malloc(sizeof(double) * (size_t)(n_rows * levels) * (size_t)width);
+    /* per tree and row: `levels` pending partial sums of `width` values; the second tree
+     * (with `squares`) sums each row's own squares */
+    const int trees = squares == NULL ? 1 : 2;
+    double *stack = malloc(sizeof(double) * (size_t)(trees * n_rows * levels) * (size_t)width);
     float *zeros = calloc((size_t)width, sizeof(float));
     if (stack == NULL || zeros == NULL) {
         free(stack);
@@ -187,12 +192,17 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             while ((r >> top) & 1) top++;
             for (int64_t i = 0; i < n_rows; i++) {
                 const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
-                double *levels_of_row = stack + i * levels * width;
-                double *out = levels_of_row + top * width;
-                if (top == 0) {
-                    slice_terms(row, agg, valid, width, products, out);
-                } else {
-                    slice_terms_onto(row, agg, valid, width, products, levels_of_row, out);
+                for (int t = 0; t < trees; t++) {
+                    /* a square is the row's product with itself */
+                    const float *other = t == 0 ? agg : row;
+                    const int64_t as_products = t == 0 ? products : 1;
+                    double *levels_of_row = stack + (t * n_rows + i) * levels * width;
+                    double *out = levels_of_row + top * width;
+                    if (top == 0) {
+                        slice_terms(row, other, valid, width, as_products, out);
+                        continue;
+                    }
+                    slice_terms_onto(row, other, valid, width, as_products, levels_of_row, out);
                     for (int level = 1; level < top; level++) {
                         const double *left = levels_of_row + level * width;
                         for (int64_t j = 0; j < width; j++) out[j] = left[j] + out[j];
@@ -200,13 +210,14 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                 }
             }
         }
-        for (int64_t i = 0; partial != NULL && i < n_rows; i++) {
-            double *sum = stack + (i * levels + bits) * width;
+        for (int64_t k = 0; partial != NULL && k < trees * n_rows; k++) {
+            double *sum = stack + (k * levels + bits) * width;
             /* the block's tree goes on halving down to the `tail` values kept */
             for (int64_t h = width / 2; h >= tail; h /= 2) {
                 for (int64_t j = 0; j < h; j++) sum[j] = sum[j] + sum[j + h];
             }
-            memcpy(partial + (i * partial_blocks + block) * tail, sum,
+            double *kept = k < n_rows ? partial : squares;
+            memcpy(kept + ((k % n_rows) * partial_blocks + block) * tail, sum,
                    sizeof(double) * (size_t)tail);
         }
     }
