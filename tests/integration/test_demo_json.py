@@ -59,6 +59,7 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
                           "trainer-0", "trainer-1"}  # fmt: skip
     for name, node in nodes.items():
         assert node["roles"] and node["peak_rss_mib"] > 0, name
+        assert 0 < node["rss_after_imports_mib"] <= node["peak_rss_mib"], name
         if not {"reducer", "validator"} & set(node["roles"]):
             assert node["reduction_seconds"] is node["reduction_window"] is None, name
         elif node["reduction_seconds"] is not None:

@@ -47,8 +47,9 @@ from typing import Final
 import torch
 
 from p2ptrain.aggregate.codec_dense import Int8Codec, PackedQuantCodec
-from p2ptrain.core.spool import BlobSpool, SpooledBlob
+from p2ptrain.core.spool import BlobSpool, MemorySpool, SpooledBlob
 from p2ptrain.core.tensors import (
+    PartWriter,
     TensorSpec,
     decode_state_dict,
     encode_state_dict,
@@ -74,7 +75,10 @@ _QUANTISERS: Final[dict[str, Int8Codec | PackedQuantCodec]] = {
     "int2": PackedQuantCodec("int2", block_size=QUANT_BLOCK),
 }
 _TAG: Final = "__aggregate__"
+_TAG_BYTES: Final = AGGREGATE_FORMAT.encode()
 _CHUNK: Final = 1 << 16
+#: Values a sparse tensor is encoded at a time (whole chunks).
+_SLAB: Final = 64 * _CHUNK
 _OFFSET_BIAS: Final = 1 << 15
 
 
@@ -90,35 +94,62 @@ def encode_aggregate(
     tensors: Mapping[str, torch.Tensor], spool: BlobSpool | None = None
 ) -> bytearray | SpooledBlob:
     """The canonical bytes of an aggregate (float32 CPU tensors, any names), in memory or
-    written into a sink of ``spool``."""
-    container = _tagged()
+    written into a sink of ``spool``. A sparse tensor is encoded :data:`_SLAB` values at
+    a time, so its positions never take more than a slab's worth of memory."""
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+        _TAG: (torch.uint8, (len(_TAG_BYTES),))
+    }
+    stored: dict[str, int] = {}  # each sparse tensor's count of stored values
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
-        if not _sparse_is_smaller(int(torch.count_nonzero(flat.view(torch.int32))), flat.numel()):
-            container[f"{name}/dense"] = flat.reshape(tensor.shape)
+        nnz = int(torch.count_nonzero(flat.view(torch.int32)))
+        if not _sparse_is_smaller(nnz, flat.numel()):
+            layout[f"{name}/dense"] = (torch.float32, tuple(tensor.shape))
             continue
-        stored = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
-        counts = torch.bincount(stored // _CHUNK, minlength=_chunks(flat.numel()))
-        container[f"{name}/counts"] = counts.to(torch.int32)
-        container[f"{name}/offsets"] = (stored % _CHUNK - _OFFSET_BIAS).to(torch.int16)
-        container[f"{name}/values"] = flat[stored]
-    return encode_state_dict(container) if spool is None else write_state_dict(container, spool)
+        stored[name] = nnz
+        layout[f"{name}/counts"] = (torch.int32, (_chunks(flat.numel()),))
+        layout[f"{name}/offsets"] = (torch.int16, (nnz,))
+        layout[f"{name}/values"] = (torch.float32, (nnz,))
+    writer = PartWriter(layout, MemorySpool() if spool is None else spool)
+    writer.write(_TAG, 0, torch.tensor(list(_TAG_BYTES), dtype=torch.uint8))
+    for name, tensor in tensors.items():
+        flat = tensor.detach().reshape(-1)
+        if name not in stored:
+            writer.write(f"{name}/dense", 0, flat)
+            continue
+        written = 0
+        for first in range(0, flat.numel(), _SLAB):
+            slab = flat[first : first + _SLAB]
+            positions = slab.view(torch.int32).ne(0).nonzero().reshape(-1)
+            counts = torch.bincount(positions // _CHUNK, minlength=_chunks(slab.numel()))
+            writer.write(f"{name}/counts", first // _CHUNK, counts.to(torch.int32))
+            offsets = (positions % _CHUNK - _OFFSET_BIAS).to(torch.int16)
+            writer.write(f"{name}/offsets", written, offsets)
+            writer.write(f"{name}/values", written, slab[positions])
+            written += positions.numel()
+        assert written == stored[name]
+    return writer.close()
 
 
 def _tagged() -> dict[str, torch.Tensor]:
     """A container holding only the format tag."""
-    return {_TAG: torch.tensor(list(AGGREGATE_FORMAT.encode()), dtype=torch.uint8)}
+    return {_TAG: torch.tensor(list(_TAG_BYTES), dtype=torch.uint8)}
 
 
 def settle_aggregate(
-    tensors: Mapping[str, torch.Tensor], precision: str = "fp32", spool: BlobSpool | None = None
+    tensors: Mapping[str, torch.Tensor],
+    precision: str = "fp32",
+    spool: BlobSpool | None = None,
+    *,
+    in_place: bool = False,
 ) -> tuple[dict[str, torch.Tensor], bytearray | SpooledBlob]:
     """(what the outer step applies, the canonical blob) of an aggregate at the manifest's
     ``aggregation.precision``: the tensors' values and :func:`encode_aggregate`'s bytes
     (``fp32``; in memory, a tensor stored dense is given as a view of the blob, so the
     caller may drop its own copy), or their rounding and its codes (``int8``, ``int4``,
     ``int2``: see the module docstring). With ``spool``, the blob is written into one of
-    its sinks (a file, say) and the tensors given are the values themselves."""
+    its sinks (a file, say) and the tensors given are the values themselves. ``in_place``:
+    a rounding overwrites ``tensors`` (the caller's own) instead of taking new memory."""
     if precision == "fp32" and spool is not None:
         return dict(tensors), encode_aggregate(tensors, spool)
     if precision == "fp32":
@@ -141,10 +172,26 @@ def settle_aggregate(
     rounded: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         spec = TensorSpec(name, tuple(tensor.shape), "float32")
-        parts = quantiser.encoder(spec, 0)(tensor.detach())
-        rounded[name] = quantiser.decode(spec, parts)
-        for part, value in parts.items():
-            container[f"{name}/{part}"] = value
+        flat = tensor.detach().reshape(-1)
+        if not flat.numel():
+            parts = quantiser.encoder(spec, 0)(tensor.detach())
+            rounded[name] = quantiser.decode(spec, parts)
+            container.update({f"{name}/{part}": value for part, value in parts.items()})
+            continue
+        # a slab at a time (whole blocks, whole bytes of packed codes: the same parts),
+        # so the quantiser's temporaries are a slab's, not the tensor's
+        settled = flat if in_place else torch.empty(flat.numel(), dtype=torch.float32)
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for first in range(0, flat.numel(), _SLAB):
+            slab = flat[first : first + _SLAB]
+            piece = TensorSpec(name, (slab.numel(),), "float32")
+            parts = quantiser.encoder(piece, 0)(slab)
+            settled[first : first + slab.numel()] = quantiser.decode(piece, parts)
+            for part, value in parts.items():
+                pieces.setdefault(part, []).append(value.reshape(-1))
+        for part, (shape, _) in quantiser.layout(spec).items():
+            container[f"{name}/{part}"] = torch.cat(pieces[part]).view(shape)
+        rounded[name] = settled.view(tensor.shape)
     if spool is not None:
         return rounded, write_state_dict(container, spool)
     return rounded, encode_state_dict(container)

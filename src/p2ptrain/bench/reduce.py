@@ -38,7 +38,7 @@ from typing import Any, Final
 from p2ptrain.bench.children import child_env
 from p2ptrain.core.manifests import UPDATE_CODECS
 from p2ptrain.errors import LocalError
-from p2ptrain.observe.memory import peak_rss_mib
+from p2ptrain.observe.memory import peak_rss_mib, rss_mib
 
 __all__ = ["MAX_FLOOR_RATIO", "ReduceBenchConfig", "run_reduce_bench"]
 
@@ -244,13 +244,6 @@ def _prepare(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
     return {"encoded_bytes": sum(b["bytes"] for b in blobs)}
 
 
-def _rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return peak_rss_mib()  # no /proc: the peak so far stands in
-
-
 def _reduce(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
     import torch
 
@@ -269,7 +262,7 @@ def _reduce(config: ReduceBenchConfig, workdir: Path) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     ensure_kernel()
     native.available()
-    after_imports = _rss_mib()
+    after_imports = rss_mib()
 
     manifest = decode(ExperimentManifest, (workdir / "manifest").read_bytes(), max_bytes=1 << 24)
     head = genesis_head(manifest)

@@ -364,12 +364,14 @@ def _backends(statuses: dict[str, NodeStatus]) -> str | None:
 
 def _node_figures(statuses: dict[str, NodeStatus]) -> dict[str, dict[str, Any]]:
     """What each node measured of itself, by name: its roles, its process's peak resident
-    memory (MiB) and, for a reducer or validator, its last reduction (the window and its wall
+    memory and its resident memory after imports (MiB; the peak's growth is what its state
+    cost), and, for a reducer or validator, its last reduction (the window and its wall
     seconds; null for the other roles, and before a first reduction)."""
     return {
         name: {
             "roles": list(s.roles),
             "peak_rss_mib": s.peak_rss_mib,
+            "rss_after_imports_mib": s.rss_after_imports_mib,
             "reduction_seconds": s.reduction_seconds,
             "reduction_window": s.reduction_window,
         }

@@ -47,6 +47,7 @@ __all__ = [
     "SCHEMA_METADATA_KEY",
     "SUPPORTED_DTYPES",
     "BlobLayout",
+    "PartWriter",
     "Schema",
     "StateLayout",
     "TensorSlot",
@@ -247,6 +248,46 @@ def _laid_out(
         key=lambda item: (_LAYOUT_RANK[item[1].dtype], item[0]),
     )
     return tensors, _prefix(tensors, schema_hash(state_dict))
+
+
+class PartWriter:
+    """:func:`encode_state_dict`'s bytes of tensors known only by name, dtype and shape
+    when the writing starts, each written piece by piece (``write``: elements from an
+    offset) into a sink of ``spool``; :meth:`close` gives the blob. Every element must be
+    written (unwritten bytes stay zero)."""
+
+    def __init__(
+        self, parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], spool: BlobSpool
+    ) -> None:
+        _require_little_endian()
+        shapes = sorted(
+            (
+                (name, torch.empty(shape, dtype=dtype, device="meta"))
+                for name, (dtype, shape) in parts.items()
+            ),
+            key=lambda item: (_LAYOUT_RANK[item[1].dtype], item[0]),
+        )
+        schema = [TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype)) for name, t in shapes]
+        prefix = _prefix(shapes, _hash_sorted_schema(_sorted_schema(schema)))
+        self._where: dict[str, tuple[int, torch.dtype]] = {}
+        position = len(prefix)
+        for name, tensor in shapes:
+            self._where[name] = (position, tensor.dtype)
+            position += tensor.nbytes
+        self._sink = spool.open(position)
+        self._sink.write(0, prefix)
+
+    def write(self, name: str, first: int, values: torch.Tensor) -> None:
+        """Write ``values`` (the part's dtype) as elements ``first ..`` of part ``name``."""
+        position, dtype = self._where[name]
+        if values.dtype != dtype:
+            raise LocalError(f"part {name!r} is {dtype}, not {values.dtype}")
+        if values.numel():
+            flat = values.cpu().contiguous().reshape(-1).view(torch.uint8)
+            self._sink.write(position + first * dtype.itemsize, flat.numpy().data)
+
+    def close(self) -> bytearray | SpooledBlob:
+        return self._sink.close()
 
 
 class StateLayout(NamedTuple):

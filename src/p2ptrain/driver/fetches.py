@@ -51,11 +51,13 @@ async def _update_record(
 
 async def _head_state(
     services: PeerServices, height: Height, request: StateFetch
-) -> tuple[bytes, bytes | None]:
+) -> tuple[bytes | bytearray, bytes | bytearray | None]:
     return await services.fetch_head_blobs(request.head, request.first)
 
 
-async def _aggregate(services: PeerServices, height: Height, request: AggregateFetch) -> bytes:
+async def _aggregate(
+    services: PeerServices, height: Height, request: AggregateFetch
+) -> bytes | bytearray:
     assert request.head.aggregate_blob is not None
     blob_id = request.head.aggregate_blob
     return await services.fetch_blob(blob_id, request.first, kind="aggregate")

@@ -239,9 +239,9 @@ class PeerServices:
         size: int | None = None,
         *,
         kind: str = "other",
-    ) -> bytes:
+    ) -> bytes | bytearray:
         await self.download(blob_id, first, size, kind=kind)
-        return bytes(self.store.blobs.get(blob_id))
+        return self.store.blobs.get(blob_id)  # the store's fresh buffer: no second copy
 
     async def fetch_update_blob(
         self, blob_id: str, first: Sequence[str] = (), size: int | None = None
@@ -253,7 +253,7 @@ class PeerServices:
 
     async def fetch_head_blobs(
         self, head: Head, first: Sequence[str] = ()
-    ) -> tuple[bytes, bytes | None]:
+    ) -> tuple[bytes | bytearray, bytes | bytearray | None]:
         weights = await self.fetch_blob(head.weights_blob, first, kind="state")
         optimizer = None
         if head.optimizer_blob is not None:

@@ -32,6 +32,7 @@ from p2ptrain.node.shard_cache import CACHE_FILE, ShardCache
 from p2ptrain.node.shell import Node
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
 from p2ptrain.observe.events import NodeEvent
+from p2ptrain.observe.memory import mark_after_imports
 from p2ptrain.observe.status import NodeStatus
 from p2ptrain.store.datadir import DataDir
 from p2ptrain.store.kernel_build import ensure_kernel
@@ -62,6 +63,7 @@ async def serve(
     """Prepare and run a node until it stops; return its final status. A trainer's workload
     first runs one batch forward and backward (``dry_run``; the Trainer API has done it
     already, before joining)."""
+    mark_after_imports()  # before any model state: what the status measures peaks against
     ensure_kernel()  # the C aggregation kernel: the package's, or built on first use
     if {"reducer", "validator"} & set(settings.roles):
         # loaded now (built, at worst), off the loop: the status names the backend at once
@@ -115,6 +117,9 @@ async def serve(
             evaluator_workload=evaluating,
             on_event=on_event,
         )
+        # the node's follower holds the genesis weights until it moves past them: ours
+        # would keep a model's worth of memory for the node's whole life
+        del prepared
         if on_node is not None:
             on_node(node)
         loop = asyncio.get_running_loop()

@@ -238,7 +238,7 @@ def median_val_loss(store: NodeStore, head_id: str) -> tuple[float | None, int]:
     return median(losses), len(losses)
 
 
-def decode_genesis(blob: bytes) -> dict[str, torch.Tensor]:
+def decode_genesis(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
     """The genesis weights from their blob (a LocalError when they do not decode)."""
     try:
         return decode_state_dict(blob, max_bytes=_MAX_GENESIS_BYTES)

@@ -226,7 +226,7 @@ def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepa
             "chain and records cannot be carried over; start this node with a new --dir "
             "(and a new network and experiment), or keep this one with that release"
         ) from exc
-    genesis = decode_genesis(bytes(store.blobs.get(experiment.record.genesis_weights)))
+    genesis = decode_genesis(store.blobs.get(experiment.record.genesis_weights))
     return Prepared(identity, network, experiment, genesis)
 
 

@@ -29,7 +29,7 @@ from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.collector import CollectorStatistics
 from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.observe.dashboard import Snapshot, start_listener, write_peers
-from p2ptrain.observe.memory import peak_rss_mib
+from p2ptrain.observe.memory import peak_rss_mib, rss_after_imports_mib
 from p2ptrain.observe.status import (
     STATUS_FILE,
     Connections,
@@ -117,6 +117,7 @@ class StatusView:
         timing = next(
             (r.machine.last_reduction for r in runners if isinstance(r, ParticipantRunner)), None
         )
+        after_imports = rss_after_imports_mib()
         return NodeStatus(
             peer_id=node.peer_id,
             roles=tuple(node.settings.roles),
@@ -167,6 +168,7 @@ class StatusView:
             outer_steps=follower.outer_steps,
             certificate_checks=follower.chain.certificate_checks,
             peak_rss_mib=round(peak_rss_mib(), 1),
+            rss_after_imports_mib=None if after_imports is None else round(after_imports, 1),
             reduction_window=None if timing is None else timing.window,
             reduction_seconds=None if timing is None else round(timing.seconds, 4),
             reduction_accepted=None if timing is None else timing.accepted,

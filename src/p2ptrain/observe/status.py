@@ -216,8 +216,10 @@ class NodeStatus(_Record, frozen=True):
     heads_adopted: int = 0
     outer_steps: int = 0
     certificate_checks: int = 0
-    #: The node process's peak resident memory so far, in MiB (0: not measured).
+    #: The node process's peak resident memory so far, in MiB (0: not measured), and its
+    #: resident memory after imports, before any model state was built (None: not noted).
     peak_rss_mib: float = 0.0
+    rss_after_imports_mib: float | None = None
     #: A reducer's or validator's last reduction of a window (its own cohort, or a
     #: proposal's recomputed): the window, its wall seconds and the updates it accepted
     #: (None: none yet, or no such role); and every reduction since the node started, with

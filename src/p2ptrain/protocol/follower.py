@@ -509,5 +509,5 @@ class ChainRole:
         return self.follower.aggregate_of(head_id)
 
 
-def _encoded(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    return bytes(encode_state_dict(tensors))
+def _encoded(tensors: Mapping[str, torch.Tensor]) -> bytearray:
+    return encode_state_dict(tensors)

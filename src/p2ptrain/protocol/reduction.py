@@ -29,7 +29,14 @@ from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
 from p2ptrain.aggregate.rules import make_rule
-from p2ptrain.aggregate.screening import Checked, ScreeningOutcome, measure, screen_cohort
+from p2ptrain.aggregate.screening import (
+    Centre,
+    Checked,
+    ScreeningOutcome,
+    measure,
+    measure_with_centre,
+    screen_cohort,
+)
 from p2ptrain.aggregate.update_reader import ByteSource, MemoryBytes, UpdateVector, source_of
 from p2ptrain.core.certificate import Verdict
 from p2ptrain.core.encoding import sha256_hex
@@ -359,16 +366,26 @@ class _Verdicts:
                 self.reject(submission.update_id, Reason(Code.UNDECODABLE))
             else:
                 opened.append((submission, vector))
-        # the first pass reads every value of every update once: bad values, non-finite ones
+        # the first pass reads every value of every update once: bad values, non-finite ones,
+        # the norms and (on the bet that none is turned down on its norm) the centre
         candidates: list[Checked] = []
-        norms = measure([vector for _, vector in opened])
+        vectors = [vector for _, vector in opened]
+        ahead = measure_with_centre(vectors)
+        centre: Centre | None = None
+        norms: Sequence[float | str]
+        if ahead is None:
+            norms = measure(vectors)
+        else:
+            norms, dots, centre_norm = ahead
+            update_ids = tuple(submission.update_id for submission, _ in opened)
+            centre = Centre(update_ids, dots, centre_norm)
         for (submission, vector), norm in zip(opened, norms, strict=True):
             if isinstance(norm, str):
                 self.reject(submission.update_id, Reason(Code.UNDECODABLE))
             else:
                 weight = float(submission.update.lease_samples)
                 candidates.append(Checked(submission.update_id, vector, weight, norm))
-        outcome = screen_cohort(candidates, schema, manifest.screening)
+        outcome = screen_cohort(candidates, schema, manifest.screening, centre)
         for screened in outcome.verdicts:
             if screened.reason is not None:
                 self.reject(screened.update_id, screened.reason)
@@ -422,6 +439,7 @@ def reduce_window(
         unflatten(result.aggregate, base.weights, copy=False),
         manifest.aggregation.precision,
         spool,
+        in_place=True,  # the rule's vector is ours: rounded where it lies
     )
     del result, outcome  # in memory, the aggregate's values are in its blob now
     step = outer_step(manifest, base, pseudo_gradient, spool)

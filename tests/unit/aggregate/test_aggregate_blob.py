@@ -4,6 +4,7 @@ form exactly when it is smaller, and every non-canonical blob refused."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from p2ptrain.aggregate.aggregate_blob import (
     encode_aggregate,
     settle_aggregate,
 )
-from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
+from p2ptrain.core.tensors import TensorSpec, decode_state_dict, encode_state_dict, schema_of
 from p2ptrain.errors import ProtocolViolation
+from p2ptrain.store.spool import FileSpool
 
 LIMIT = 1 << 30
 
@@ -225,3 +227,57 @@ def test_packed_precisions_round_like_their_codecs(
             max_bytes=LIMIT,
             precision=precision,
         )
+
+
+def test_a_sparse_tensor_larger_than_a_slab_is_encoded_as_one_container(tmp_path: Path) -> None:
+    """Encoded a slab at a time (in memory or into a file), a sparse tensor of several
+    slabs gives the bytes of the whole container encoded at once."""
+    generator = torch.Generator().manual_seed(34)
+    big = torch.randn(5_000_003, generator=generator)
+    big[torch.rand(big.numel(), generator=generator) < 0.8] = 0.0
+    big[17] = -0.0  # stored: only +0.0 is left out
+    tensors = {"big": big, "dense": torch.randn(3, 4, generator=generator)}
+    flat = big.view(torch.int32)
+    stored = flat.ne(0).nonzero().reshape(-1)
+    container = {
+        "__aggregate__": torch.tensor(list(b"p2ptrain-aggregate/1"), dtype=torch.uint8),
+        "big/counts": torch.bincount(stored // 65536, minlength=-(-big.numel() // 65536)).to(
+            torch.int32
+        ),
+        "big/offsets": (stored % 65536 - 32768).to(torch.int16),
+        "big/values": big[stored],
+        "dense/dense": tensors["dense"],
+    }
+    expected = encode_state_dict(container)
+    assert encode_aggregate(tensors) == expected
+    spooled = encode_aggregate(tensors, FileSpool(tmp_path))
+    assert not isinstance(spooled, bytes | bytearray)
+    assert spooled.read(0, len(spooled)) == expected
+    decoded = decode_aggregate(expected, schema_of(tensors), max_bytes=LIMIT)
+    assert torch.equal(decoded["big"].view(torch.int32), big.view(torch.int32))
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_a_rounding_a_slab_at_a_time_gives_the_whole_tensors_parts(precision: str) -> None:
+    """Rounded slab by slab (in place or not), a tensor of several slabs has the codes,
+    scales and rounded values of the whole tensor rounded at once."""
+    from p2ptrain.aggregate.aggregate_blob import _QUANTISERS  # the reference quantiser
+
+    generator = torch.Generator().manual_seed(35)
+    tensors = {"big": torch.randn(4_500_001, generator=generator), "small": torch.randn(3, 5)}
+    quantiser = _QUANTISERS[precision]
+    container = {"__aggregate__": torch.tensor(list(b"p2ptrain-aggregate/1"), dtype=torch.uint8)}
+    expected_values = {}
+    for name, tensor in tensors.items():
+        spec = TensorSpec(name, tuple(tensor.shape), "float32")
+        parts = quantiser.encoder(spec, 0)(tensor)
+        expected_values[name] = quantiser.decode(spec, parts)
+        container.update({f"{name}/{part}": value for part, value in parts.items()})
+    rounded, blob = settle_aggregate(tensors, precision)
+    assert blob == encode_state_dict(container)
+    own = {name: tensor.clone() for name, tensor in tensors.items()}
+    in_place, again = settle_aggregate(own, precision, in_place=True)
+    assert again == blob
+    for name, value in expected_values.items():
+        assert torch.equal(rounded[name], value) and torch.equal(in_place[name], value), name
+        assert torch.equal(own[name], value), name  # overwritten where it lay

@@ -37,7 +37,9 @@ STATUSES = {
         reductions_timed=3,
         reduction_seconds_total=0.5,
     ),
-    "validator-0": _status(("validator",), peak_rss_mib=480.0),  # not reduced yet
+    "validator-0": _status(
+        ("validator",), peak_rss_mib=480.0, rss_after_imports_mib=250.5
+    ),  # not reduced yet
     "trainer-0": _status(("trainer",), peak_rss_mib=900.75),
 }
 
@@ -47,24 +49,28 @@ def test_each_node_is_reported_with_its_roles_memory_and_last_reduction() -> Non
         "seed": {
             "roles": ["seed"],
             "peak_rss_mib": 300.5,
+            "rss_after_imports_mib": None,
             "reduction_seconds": None,
             "reduction_window": None,
         },
         "reducer": {
             "roles": ["reducer"],
             "peak_rss_mib": 512.25,
+            "rss_after_imports_mib": None,
             "reduction_seconds": 0.125,
             "reduction_window": 3,
         },
         "validator-0": {
             "roles": ["validator"],
             "peak_rss_mib": 480.0,
+            "rss_after_imports_mib": 250.5,
             "reduction_seconds": None,
             "reduction_window": None,
         },
         "trainer-0": {
             "roles": ["trainer"],
             "peak_rss_mib": 900.75,
+            "rss_after_imports_mib": None,
             "reduction_seconds": None,
             "reduction_window": None,
         },
