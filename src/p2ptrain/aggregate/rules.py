@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -37,11 +37,13 @@ from p2ptrain.aggregate.cohort import (
     Failure,
 )
 from p2ptrain.aggregate.rules_basic import (
+    Ranked,
     RuleBase,
     RuleVerdict,
     TrimmedSpans,
     Workspace,
     check_float_setting,
+    prepare,
     result,
     stream_pass,
     weighted_pass,
@@ -71,6 +73,7 @@ __all__ = [
     "MeanConfig",
     "Median",
     "MedianConfig",
+    "RankedRule",
     "StreamingRule",
     "TrimmedMean",
     "TrimmedMeanConfig",
@@ -92,6 +95,23 @@ class StreamingRule(Protocol):
         *,
         out: torch.Tensor | None = None,
     ) -> AggregationResult: ...
+
+
+@runtime_checkable
+class RankedRule(Protocol):
+    """A rule that is a coordinate-wise trimmed mean, so that screening's first pass can
+    take it ahead (:class:`~p2ptrain.aggregate.rules_basic.Ranked`)."""
+
+    def trim_for(self, n: int) -> int:
+        """Values dropped per side from a cohort of ``n`` contributions."""
+        ...
+
+    def from_ranked(
+        self, contributions: Sequence[Contribution], failures: Sequence[Failure], ranked: Ranked
+    ) -> AggregationResult | None:
+        """What :meth:`aggregate` returns for this cohort, from ``ranked``; None when
+        ``ranked`` is not this cohort's mean (other updates, another trim)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,17 +180,55 @@ def _trimmed(
     combiner = TrimmedSpans(len(ordered), trim, workspace)
     vectors = [c.vector for c in ordered]
     aggregate, squares = stream_pass(vectors, combiner, workspace, out=out)
+    return _trimmed_result(
+        ordered, failures, aggregate, squares, combiner.dropped.tolist(), reason=reason
+    )
+
+
+def _trimmed_result(
+    ordered: Sequence[Contribution],
+    failures: Sequence[Failure],
+    aggregate: torch.Tensor,
+    squares: Sequence[float],
+    dropped: Sequence[int],
+    *,
+    reason: str,
+) -> AggregationResult:
     length = max(1, aggregate.numel())
     verdicts = [
         RuleVerdict(TRIMMED, f"dropped {count / length:.6g} of coordinates ({count})")
-        for count in combiner.dropped.tolist()
+        for count in dropped
     ]
     return result(
         ordered, failures, aggregate=aggregate, squares=squares, verdicts=verdicts, reason=reason
     )
 
 
-class TrimmedMean(RuleBase[TrimmedMeanConfig], config=TrimmedMeanConfig):
+class _RankedBase:
+    """:class:`RankedRule`'s :meth:`from_ranked` for the trimmed rules."""
+
+    def trim_for(self, n: int) -> int:
+        raise NotImplementedError
+
+    def _reason(self, n: int, trim: int) -> str:
+        raise NotImplementedError
+
+    def from_ranked(
+        self, contributions: Sequence[Contribution], failures: Sequence[Failure], ranked: Ranked
+    ) -> AggregationResult | None:
+        ordered = prepare(contributions, failures, None)
+        trim = self.trim_for(len(ordered))
+        if not ordered or tuple(c.update_id for c in ordered) != ranked.update_ids:
+            return None
+        if ranked.trim != trim:
+            return None
+        reason = self._reason(len(ordered), trim)
+        return _trimmed_result(
+            ordered, failures, ranked.aggregate, ranked.squares, ranked.dropped, reason=reason
+        )
+
+
+class TrimmedMean(_RankedBase, RuleBase[TrimmedMeanConfig], config=TrimmedMeanConfig):
     """Coordinate-wise trimmed mean: per coordinate, sort, drop ``floor(beta n)`` values
     from each side, add the rest in ascending order and divide by their count. Unweighted:
     every update carries the same weight by protocol design (the manifest fixes the lease
@@ -180,16 +238,22 @@ class TrimmedMean(RuleBase[TrimmedMeanConfig], config=TrimmedMeanConfig):
 
     empty_reason = "trimmed_mean: no contributions"
 
+    def trim_for(self, n: int) -> int:
+        return math.floor(self.config.beta * n)
+
+    def _reason(self, n: int, trim: int) -> str:
+        return f"trimmed_mean: dropped {trim} of {n} values per side (beta {self.config.beta})"
+
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
         n = len(ordered)
-        trim = math.floor(self.config.beta * n)
-        reason = f"trimmed_mean: dropped {trim} of {n} values per side (beta {self.config.beta})"
+        trim = self.trim_for(n)
+        reason = self._reason(n, trim)
         return _trimmed(ordered, failures, trim, reason=reason, workspace=self._workspace, out=out)
 
 
-class Median(RuleBase[MedianConfig], config=MedianConfig):
+class Median(_RankedBase, RuleBase[MedianConfig], config=MedianConfig):
     """Coordinate-wise median, unweighted (see :class:`TrimmedMean`); for an even count,
     the midpoint ``(a + b) * 0.5`` of the two middle values."""
 
@@ -200,9 +264,15 @@ class Median(RuleBase[MedianConfig], config=MedianConfig):
     def _aggregate(
         self, ordered: list[Contribution], failures: Sequence[Failure], out: torch.Tensor | None
     ) -> AggregationResult:
-        reason = f"median: coordinate-wise median of {len(ordered)} updates"
-        trim = (len(ordered) - 1) // 2
+        trim = self.trim_for(len(ordered))
+        reason = self._reason(len(ordered), trim)
         return _trimmed(ordered, failures, trim, reason=reason, workspace=self._workspace, out=out)
+
+    def trim_for(self, n: int) -> int:
+        return (n - 1) // 2
+
+    def _reason(self, n: int, trim: int) -> str:
+        return f"median: coordinate-wise median of {n} updates"
 
 
 # --- the registry -------------------------------------------------------------------------

@@ -134,17 +134,27 @@ class RowSums:
         base: int = 0,
         products: bool = False,
         squares: RowSums | None = None,
+        second: tuple[int, torch.Tensor, RowSums] | None = None,
     ) -> bool:
         """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
         (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
         when it is given; False (nothing done) when the kernel cannot take them. ``rows``
         and ``aggregate`` may be spans that start at value ``base``. The terms are squared
         differences from the aggregate, or with ``products`` products with it; ``squares``
-        (of the same shape) gets each row's squares in the same pass."""
+        (of the same shape) gets each row's squares in the same pass. ``second = (trim,
+        out, distances)``, with a trimmed ``combine``: the mean dropping ``trim`` per side
+        from the same sort, into ``out`` (a span like ``aggregate``), and each row's
+        squared distances to it into ``distances`` (of the same shape)."""
         if self.width != CHUNK or len(rows) != self._partial.shape[0]:
             return False
         if squares is not None and squares._partial.shape != self._partial.shape:
             return False
+        second_mean = None
+        if second is not None:
+            trim, out, distances = second
+            if distances._partial.shape != self._partial.shape:
+                return False
+            second_mean = native.SecondMean(trim, out, distances._partial)
         tensors: list[torch.Tensor | None] = []
         for row in rows:
             if row is not None and not isinstance(row, torch.Tensor):
@@ -162,6 +172,7 @@ class RowSums:
             length=self.length,
             products=products,
             squares=None if squares is None else squares._partial,
+            second=second_mean,
         )
 
     def _blocks(self, start: int, end: int) -> int:
@@ -479,6 +490,21 @@ class TrimmedSpans:
         torch.gt(stack, high, out=below_above[1])
         counts = below_above.sum(dim=2)
         self.dropped.add_(counts[0].to(torch.int64)).add_(counts[1].to(torch.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """A trimmed mean taken ahead of a rule's own pass (screening's first pass sorts every
+    coordinate anyway): of the updates ``update_ids`` (in update-id order), ``trim`` values
+    dropped per side, each update's squared distance to it and its count of dropped
+    coordinates. A rule that is exactly this mean takes it instead of reading the cohort
+    again (``rules.RankedRule``)."""
+
+    update_ids: tuple[str, ...]
+    trim: int
+    aggregate: torch.Tensor
+    squares: tuple[float, ...]
+    dropped: tuple[int, ...]
 
 
 # --- cohorts and results ------------------------------------------------------------------

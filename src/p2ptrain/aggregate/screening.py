@@ -15,6 +15,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,16 +23,19 @@ from p2ptrain.aggregate import native
 from p2ptrain.aggregate.cohort import Contribution, Failure, FlatVector
 from p2ptrain.aggregate.exact import all_finite, flatten
 from p2ptrain.aggregate.rules_basic import (
+    NETWORK_MAX_UPDATES,
     RowSums,
     TrimmedSpans,
     Workspace,
     read_window,
+    sorting_network,
     windows,
 )
+from p2ptrain.aggregate.update_reader import UpdateVector
 from p2ptrain.core.manifests import ScreeningSpec
 from p2ptrain.core.reasons import Code, Reason, describe
 from p2ptrain.core.tensors import TensorSpec
-from p2ptrain.errors import ProtocolViolation
+from p2ptrain.errors import LocalError, ProtocolViolation
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,7 @@ def measure(vectors: Sequence[FlatVector], workspace: Workspace | None = None) -
         for i, read in enumerate(read_window(live, first, last)):
             if isinstance(read, ProtocolViolation):
                 problems[i] = str(read)
-            elif read is not None and not all_finite(read):
+            elif read is not None and not _finite(vectors[i], read):
                 problems[i] = f"values {first}..{last} are not all finite"
             # a refused row counts as zeros from here on
             usable = isinstance(read, torch.Tensor) and i not in problems
@@ -148,41 +152,85 @@ def measure(vectors: Sequence[FlatVector], workspace: Workspace | None = None) -
     return [problems[i] if i in problems else math.sqrt(totals[i]) for i in range(n)]
 
 
-def measure_with_centre(
-    vectors: Sequence[FlatVector],
-) -> tuple[list[float], tuple[float, ...], float] | None:
+def _finite(vector: FlatVector, span: torch.Tensor) -> bool:
+    """Whether ``span``, just read from ``vector``, holds finite values only (an update
+    whose decoder checked them is not checked again)."""
+    return (isinstance(vector, UpdateVector) and vector.checked_finite) or all_finite(span)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstPass:
+    """What :func:`measure_with_centre` found in one read of every value."""
+
+    #: each vector's L2 norm (exactly :func:`measure`'s)
+    norms: list[float]
+    #: each vector's product with the centre of them all, and the centre's norm
+    dots: tuple[float, ...]
+    centre_norm: float
+    #: with a ``trim``: the trimmed mean of them all, each one's squared distance to it and
+    #: its count of dropped coordinates (``TrimmedSpans``' bits)
+    mean: torch.Tensor | None = None
+    distances: tuple[float, ...] = ()
+    dropped: tuple[int, ...] = ()
+
+
+def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) -> FirstPass | None:
     """:func:`measure` and, in the same pass, the centre of all ``vectors`` (what
     :func:`_centre_products` gives for them: the dot products, the centre's norm): one read
     of every value instead of two when no update is turned down on its norm, as in an
-    honest window. None when the C kernel cannot take the pass or a read fails: then
-    :func:`measure` tells what failed."""
+    honest window. With ``trim``, the same sort also gives the trimmed mean of them all
+    (``trim`` dropped per side), for a trimmed rule to take when screening accepts every
+    one. None when the C kernel cannot take the pass or a read fails: then :func:`measure`
+    tells what failed."""
     if not vectors:
         return None
     n, length = len(vectors), vectors[0].numel()
+    if trim is not None and not 0 <= trim <= (n - 1) // 2:
+        raise LocalError(f"a trimmed mean of {n} values cannot drop {trim} per side")
+    if n > NETWORK_MAX_UPDATES or not native.available():
+        return None
     workspace = Workspace()
     sums = RowSums(n + 1, length, n + 1, workspace)
     squares = RowSums(n + 1, length, n + 1, workspace, key="row_sums.squares")
-    median = TrimmedSpans(n, (n - 1) // 2, workspace)
-    kernel = median.native()
-    if kernel is None or not native.available():
-        return None
+    median = (n - 1) // 2
+    # a network that decides the ranks of the trimmed mean decides the median's too
+    low = median if trim is None else trim
+    dropped = torch.zeros(n, dtype=torch.int64)
+    kernel = native.Trimmed(n, median, sorting_network(n, low, n - 1 - low), dropped)
+    distances: RowSums | None = None
+    mean: torch.Tensor | None = None
+    if trim is not None:
+        distances = RowSums(n + 1, length, n + 1, workspace, key="row_sums.distances")
+        mean = torch.empty(length, dtype=torch.float32)
     width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
     centre = torch.empty(width, dtype=torch.float32)
     for first, last in windows(length, sums.span):
         spans: list[torch.Tensor] = []
-        for read in read_window(vectors, first, last):
-            if not isinstance(read, torch.Tensor) or not all_finite(read):
+        for vector, read in zip(vectors, read_window(vectors, first, last), strict=True):
+            if not isinstance(read, torch.Tensor) or not _finite(vector, read):
                 return None
             spans.append(read)
         window = centre[: last - first]
+        second = None
+        if trim is not None and mean is not None and distances is not None:
+            second = (trim, mean[first:last], distances)
         # the centre itself is the last row: its product with itself is its squared norm
         if not sums.fill_natively(
             [*spans, window], kernel, window, (first, last), base=first, products=True,
-            squares=squares,
+            squares=squares, second=second,
         ):  # fmt: skip
             return None
     dots, norms = sums.totals(), squares.totals()
-    return [math.sqrt(value) for value in norms[:n]], tuple(dots[:n]), math.sqrt(dots[n])
+    ranked: dict[str, Any] = {}
+    if mean is not None and distances is not None:
+        ranked = {
+            "mean": mean,
+            "distances": tuple(distances.totals()[:n]),
+            "dropped": tuple(dropped.tolist()),
+        }
+    return FirstPass(
+        [math.sqrt(value) for value in norms[:n]], tuple(dots[:n]), math.sqrt(dots[n]), **ranked
+    )
 
 
 def screen_cohort(

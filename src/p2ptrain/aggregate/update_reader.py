@@ -143,6 +143,7 @@ class UpdateVector:
         self._starts = [p.start for p in self._parameters]
         self._buffer = torch.empty(0, dtype=torch.float32)
         self._whole: tuple[str, torch.Tensor] | None = None
+        self._checked = False
 
     def numel(self) -> int:
         return self._numel
@@ -164,8 +165,16 @@ class UpdateVector:
         self.read_into(start, end, out)
         return out
 
+    @property
+    def checked_finite(self) -> bool:
+        """Whether the last read found every value it decoded finite (else it raised); False
+        when it did not look (a decode that cannot make a value infinite is not checked:
+        a caller that needs finite values checks them itself)."""
+        return self._checked
+
     def read_into(self, start: int, end: int, out: torch.Tensor) -> None:
         """Decode values ``start .. end`` into ``out`` (float32, ``end - start`` values)."""
+        self._checked = True  # until a decode that does not look
         first = max(0, bisect.bisect_right(self._starts, start) - 1)
         for parameter in self._parameters[first:]:
             if parameter.start >= end:
@@ -197,12 +206,15 @@ class UpdateVector:
 
     def _decode(self, parameter: _Parameter, low: int, high: int, out: torch.Tensor) -> None:
         codec, name = self._codec, parameter.spec.name
+        if not isinstance(codec, Int8Codec):
+            self._checked = False
         if isinstance(codec, CastCodec):
             out.copy_(self._part(parameter, "values", low, high))  # an exact widening
         elif isinstance(codec, Int8Codec):
             q = self._part(parameter, "q", low, high)
             if self._native_int8(parameter, q, (low, high), codec.block_size, out):
-                return
+                return  # the kernel checked that every value is finite
+            self._checked = False
             if q.numel() and int(q.min()) == -128:
                 raise ProtocolViolation(f"int8 codes of {name!r} hold -128; codes lie in ±127")
             self._dequantise(parameter, q, (low, high), block_size=codec.block_size, out=out)
@@ -232,6 +244,10 @@ class UpdateVector:
         name = parameter.spec.name
         if status == 1:
             raise ProtocolViolation(f"int8 codes of {name!r} hold -128; codes lie in ±127")
+        if status == 3:
+            raise ProtocolViolation(
+                f"int8 values of {name!r} overflow float32 (a code times its scale is infinite)"
+            )
         if status:
             raise ProtocolViolation(f"int8 scales of {name!r} must be finite and >= 0")
         return True

@@ -28,7 +28,8 @@ from p2ptrain.aggregate.aggregate_blob import settle_aggregate
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
-from p2ptrain.aggregate.rules import make_rule
+from p2ptrain.aggregate.rules import RankedRule, StreamingRule, make_rule
+from p2ptrain.aggregate.rules_basic import Ranked
 from p2ptrain.aggregate.screening import (
     Centre,
     Checked,
@@ -347,8 +348,11 @@ class _Verdicts:
         base: BaseState,
         ordered: Sequence[Submission],
         leases: LeaseBook,
-    ) -> ScreeningOutcome:
-        """Admit, open, read once (:func:`measure`) and screen the cohort's updates."""
+        rule: StreamingRule,
+    ) -> tuple[ScreeningOutcome, Ranked | None]:
+        """Admit, open, read once (:func:`measure`) and screen the cohort's updates; with a
+        trimmed ``rule``, that one read also takes the rule's mean of every opened update
+        (:class:`Ranked`: the rule's result when screening accepts them all)."""
         per_trainer = Counter(s.update.trainer_id for s in ordered)
         schema = schema_of(base.weights)
         limit = max_update_bytes(manifest.codec, schema)
@@ -370,15 +374,19 @@ class _Verdicts:
         # the norms and (on the bet that none is turned down on its norm) the centre
         candidates: list[Checked] = []
         vectors = [vector for _, vector in opened]
-        ahead = measure_with_centre(vectors)
+        trim = rule.trim_for(len(vectors)) if isinstance(rule, RankedRule) and vectors else None
+        ahead = measure_with_centre(vectors, trim)
         centre: Centre | None = None
+        ranked: Ranked | None = None
         norms: Sequence[float | str]
         if ahead is None:
             norms = measure(vectors)
         else:
-            norms, dots, centre_norm = ahead
+            norms = ahead.norms
             update_ids = tuple(submission.update_id for submission, _ in opened)
-            centre = Centre(update_ids, dots, centre_norm)
+            centre = Centre(update_ids, ahead.dots, ahead.centre_norm)
+            if ahead.mean is not None and trim is not None:
+                ranked = Ranked(update_ids, trim, ahead.mean, ahead.distances, ahead.dropped)
         for (submission, vector), norm in zip(opened, norms, strict=True):
             if isinstance(norm, str):
                 self.reject(submission.update_id, Reason(Code.UNDECODABLE))
@@ -389,7 +397,7 @@ class _Verdicts:
         for screened in outcome.verdicts:
             if screened.reason is not None:
                 self.reject(screened.update_id, screened.reason)
-        return outcome
+        return outcome, ranked
 
 
 def reduce_window(
@@ -419,7 +427,8 @@ def reduce_window(
         if not verdict:
             raise LocalError(f"update {submission.update_id[:12]}: {verdict.reason}")
     verdicts = _Verdicts(ordered)
-    outcome = verdicts.screen(manifest, base, ordered, leases)
+    rule = make_rule(manifest.aggregation)
+    outcome, ranked = verdicts.screen(manifest, base, ordered, leases, rule)
     accepted = tuple(c.update_id for c in outcome.contributions)
     rejected = verdicts.rejected()
 
@@ -431,7 +440,15 @@ def reduce_window(
             f"{len(accepted)} updates passed screening, the window needs "
             f"{manifest.window.min_updates}"
         )
-    result = make_rule(manifest.aggregation).aggregate(outcome.contributions, outcome.failures)
+    result = None
+    if ranked is not None and isinstance(rule, RankedRule):
+        # the first pass took the rule's mean of every opened update: the result when
+        # screening accepted them all (else the buffer takes the rule's own pass)
+        result = rule.from_ranked(outcome.contributions, outcome.failures, ranked)
+    if result is None:
+        out = None if ranked is None else ranked.aggregate
+        result = rule.aggregate(outcome.contributions, outcome.failures, out=out)
+    del ranked
     if result.aggregate is None:
         return without_head(f"aggregation produced nothing: {result.reason}")
     rule_reason = result.reason

@@ -7,6 +7,9 @@ import random
 import pytest
 import torch
 
+from p2ptrain.aggregate.cohort import Contribution
+from p2ptrain.aggregate.rules import RankedRule, make_rule
+from p2ptrain.aggregate.rules_basic import Ranked
 from p2ptrain.aggregate.screening import (
     Candidate,
     Centre,
@@ -16,7 +19,7 @@ from p2ptrain.aggregate.screening import (
     measure_with_centre,
     screen_cohort,
 )
-from p2ptrain.core.manifests import ScreeningSpec
+from p2ptrain.core.manifests import AggregationSpec, ScreeningSpec
 from p2ptrain.core.reasons import describe
 from p2ptrain.core.tensors import schema_of
 
@@ -114,9 +117,47 @@ def test_the_first_pass_with_the_centre_gives_the_bits_of_two_passes(n: int, len
     vectors[-1][100:200] = 0.0
     ahead = measure_with_centre(vectors)
     assert ahead is not None, "the kernel is installed in the tests"
-    norms, dots, centre_norm = ahead
-    assert norms == measure(vectors), f"seed={SEED + n}"
-    assert (list(dots), centre_norm) == _centre_products(vectors), f"seed={SEED + n}"
+    assert ahead.mean is None
+    assert ahead.norms == measure(vectors), f"seed={SEED + n}"
+    assert (list(ahead.dots), ahead.centre_norm) == _centre_products(vectors), f"seed={SEED + n}"
+
+
+@pytest.mark.parametrize(("n", "length"), [(1, 70_000), (5, 3 * 65_536 + 123), (16, 140_000)])
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
+def test_the_first_pass_takes_a_trimmed_rule_with_the_bits_of_its_own_pass(
+    n: int, length: int, rule: str
+) -> None:
+    """With a trim, the same sort gives the rule's mean, distances and drop counts: the
+    rule's result from them is its own pass's, bit for bit; the norms and centre are
+    unchanged by the wider network."""
+    generator = torch.Generator().manual_seed(SEED + n)
+    vectors = [torch.randn(length, generator=generator) * (1 + i) for i in range(n)]
+    vectors[0][:7] = -0.0
+    vectors[-1][100:200] = 0.0
+    chosen = make_rule(AggregationSpec(rule=rule))
+    assert isinstance(chosen, RankedRule)
+    trim = chosen.trim_for(n)
+    ahead = measure_with_centre(vectors, trim)
+    assert ahead is not None and ahead.mean is not None, "the kernel is installed in the tests"
+    plain = measure_with_centre(vectors)
+    assert plain is not None
+    assert (ahead.norms, ahead.dots, ahead.centre_norm) == (
+        plain.norms, plain.dots, plain.centre_norm
+    ), f"seed={SEED + n}"  # fmt: skip
+    ids = tuple(f"{i:064x}" for i in range(n))
+    contributions = [Contribution(i, v) for i, v in zip(ids, vectors, strict=True)]
+    own = chosen.aggregate(contributions)
+    taken = chosen.from_ranked(
+        contributions, (), Ranked(ids, trim, ahead.mean, ahead.distances, ahead.dropped)
+    )
+    assert taken is not None and own.aggregate is not None and taken.aggregate is not None
+    assert torch.equal(taken.aggregate.view(torch.int32), own.aggregate.view(torch.int32))
+    assert (taken.diagnostics, taken.reason) == (own.diagnostics, own.reason), f"seed={SEED + n}"
+    # another cohort, or another trim, is not this mean
+    ranked = Ranked(ids, trim, ahead.mean, ahead.distances, ahead.dropped)
+    assert chosen.from_ranked(contributions[1:], (), ranked) is None
+    other = Ranked(ids, trim + 1, ahead.mean, ahead.distances, ahead.dropped)
+    assert chosen.from_ranked(contributions, (), other) is None
 
 
 def test_the_first_pass_leaves_a_bad_vector_to_measure() -> None:

@@ -8,6 +8,7 @@ fuzz tests of ``test_codecs.py`` run both decoders on every case.)"""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -113,6 +114,34 @@ def test_measure_names_the_updates_it_cannot_use() -> None:
     assert isinstance(norms[3], str) and "-128" in norms[3]
     with pytest.raises(ProtocolViolation, match="-128"):
         vectors[3][0:100]
+
+
+def test_an_int8_value_that_overflows_is_refused_once_decoded() -> None:
+    """A finite scale times a code can still overflow float32: the first pass names the
+    update, with or without the kernel (which checks it while decoding, and says so)."""
+    weights = {"w": torch.ones(100)}
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8")
+    limit = max_update_bytes(spec, schema)
+    good = bytearray(make_encoder(spec, schema).encode({"w": torch.full((100,), 0.5)}))
+    header = int.from_bytes(good[:8], "little")
+    begin = 8 + header + json.loads(good[8 : 8 + header])["w/scale"]["data_offsets"][0]
+    good[begin : begin + 4] = torch.tensor([3.0e38], dtype=torch.float32).numpy().tobytes()
+    loader = native.installed_loader()
+    for use in (ensure_kernel, lambda: native.install_kernel(None)):
+        use()
+        vector = UpdateVector(bytes(good), spec, schema, max_bytes=limit)
+        (norm,) = measure([vector])
+        assert isinstance(norm, str), f"kernel {native.available()}: {norm}"
+        assert "overflow" in norm or "not all finite" in norm
+    native.install_kernel(loader)
+    ensure_kernel()
+    if native.available():
+        with pytest.raises(ProtocolViolation, match="overflow"):
+            UpdateVector(bytes(good), spec, schema, max_bytes=limit)[0:100]
+    honest = UpdateVector(make_encoder(spec, schema).encode(weights), spec, schema, max_bytes=limit)
+    honest[0:100]
+    assert honest.checked_finite is native.available()
 
 
 def test_the_kernel_computes_an_aggregate_alone() -> None:

@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "KERNEL_SOURCE",
     "KernelLoader",
+    "SecondMean",
     "Trimmed",
     "Weighted",
     "available",
@@ -97,6 +98,9 @@ def _function() -> Any | None:
         ctypes.c_int64,  # partial_blocks
         ctypes.c_int64,  # products
         ctypes.c_void_p,  # squares
+        ctypes.c_int64,  # second_trim
+        ctypes.c_void_p,  # second
+        ctypes.c_void_p,  # second_partial
     ]
     return function
 
@@ -123,8 +127,9 @@ def dequantise_int8(
     q: torch.Tensor, scale: torch.Tensor, block_size: int, lead: int, out: torch.Tensor
 ) -> int | None:
     """``out[j] = q[j] * scale[(lead + j) // block_size]`` (the int8 codec's decode, the same
-    bits) by the kernel: 0, or 1 when a code is -128, or 2 when a scale is negative or not
-    finite; None (nothing done) when the kernel is unavailable or a tensor does not fit."""
+    bits) by the kernel: 0 (every value written is finite), or 1 when a code is -128, or 2
+    when a scale is negative or not finite, or 3 when a value overflows to infinity; None
+    (nothing done) when the kernel is unavailable or a tensor does not fit."""
     function = _function() and _dequantise()
     if function is None:
         return None
@@ -180,6 +185,39 @@ class Trimmed:
     dropped: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class SecondMean:
+    """With a :class:`Trimmed` pass, from the same sort: the mean of ranks ``trim .. n - 1 -
+    trim`` (the network must decide them) into ``out`` (a span like the aggregate), the drops
+    counted for this ``trim``, and each row's squared distances to it (float64 trees, shaped
+    like ``partial``) into ``partial``."""
+
+    trim: int
+    out: torch.Tensor
+    partial: torch.Tensor
+
+
+def _second_args(
+    second: SecondMean | None,
+    combine: Weighted | Trimmed | None,
+    aggregate: torch.Tensor,
+    partial: torch.Tensor | None,
+) -> tuple[int, int | None, int | None] | None:
+    """The kernel's ``second_trim``, ``second`` and ``second_partial``; None when ``second``
+    does not fit the pass."""
+    if second is None:
+        return 0, None, None
+    if not isinstance(combine, Trimmed) or partial is None or not _usable(second.out):
+        return None
+    if second.out.numel() != aggregate.numel() or second.partial.shape != partial.shape:
+        return None
+    if second.partial.dtype != torch.float64 or not second.partial.is_contiguous():
+        return None
+    if not 0 <= second.trim <= (combine.n - 1) // 2:
+        return None
+    return second.trim, second.out.data_ptr(), second.partial.data_ptr()
+
+
 def stream_pass(
     rows: Sequence[torch.Tensor | None],
     combine: Weighted | Trimmed | None,
@@ -192,6 +230,7 @@ def stream_pass(
     length: int | None = None,
     products: bool = False,
     squares: torch.Tensor | None = None,
+    second: SecondMean | None = None,
 ) -> bool:
     """Fill ``partial`` (float64, ``(len(rows), blocks, tail)``) with each row's per-block
     tree sums of squared distances to ``aggregate``, after writing into ``aggregate`` the
@@ -203,8 +242,9 @@ def stream_pass(
     ``products``, the sums are of each row's products with the aggregate (float32 x float32,
     exact in float64; a row that is the aggregate's own span gives its squared norm).
     ``squares`` (float64, shaped like ``partial``) gets each row's sums of its own squares
-    (its squared norm's tree) in the same pass. Returns False, touching nothing, when the
-    kernel is unavailable or a tensor is not a contiguous CPU float32 one."""
+    (its squared norm's tree) in the same pass; ``second`` (with a :class:`Trimmed`
+    ``combine`` and ``partial``) a second mean from the same sort. Returns False, touching
+    nothing, when the kernel is unavailable or a tensor is not a contiguous CPU float32 one."""
     function = _function()
     if function is None or not _usable(aggregate):
         return False
@@ -231,6 +271,10 @@ def stream_pass(
         squares_pointer = squares.data_ptr()
     if isinstance(combine, Trimmed) and any(row is None for row in rows[: combine.n]):
         return False
+    second_args = _second_args(second, combine, aggregate, partial)
+    if second_args is None:
+        return False
+    second_trim, second_pointer, second_partial = second_args
     pointers = (ctypes.c_void_p * len(rows))(*[None if r is None else r.data_ptr() for r in rows])
     mode, index, coefficients, pairs, count, trim = _GIVEN, [0], [0.0], [0, 0], 0, 0
     if isinstance(combine, Weighted):
@@ -256,7 +300,7 @@ def stream_pass(
                 pointers, n_rows, mode, c_index, c_coefficients, count, c_pairs, n_pairs, trim,
                 dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
                 begin, min(begin + per_task, last), _WIDTH, tail, partial_pointer, partial_blocks,
-                int(products), squares_pointer,
+                int(products), squares_pointer, second_trim, second_pointer, second_partial,
             )
         )  # fmt: skip
 

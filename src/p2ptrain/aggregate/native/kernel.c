@@ -39,12 +39,11 @@ static int64_t bit_reverse(int64_t value, int bits) {
 
 enum { GIVEN = 0, WEIGHTED = 1, TRIMMED = 2 };
 
-/* The trimmed mean of rows 0..n-1 over `valid` coordinates at `offset`, into agg; per row,
- * the coordinates outside the kept range are added to dropped[row]. */
-static inline void trimmed_slice(const float *const *rows, int64_t n, const int64_t *pairs,
-                                 int64_t n_pairs, int64_t trim, int64_t *dropped,
-                                 float *wires, int64_t tail, int64_t offset, int64_t valid,
-                                 float *agg) {
+/* Rows 0..n-1's values at `offset` copied onto the wires (-0.0 made +0.0) and sorted per
+ * coordinate by the comparators `pairs`. */
+static inline void sort_slice(const float *const *rows, int64_t n, const int64_t *pairs,
+                              int64_t n_pairs, float *wires, int64_t tail, int64_t offset,
+                              int64_t valid) {
     for (int64_t i = 0; i < n; i++) {
         const float *row = rows[i] + offset;
         float *wire = wires + i * tail;
@@ -62,26 +61,39 @@ static inline void trimmed_slice(const float *const *rows, int64_t n, const int6
             b[j] = high;
         }
     }
+}
+
+/* The mean of the sorted wires' ranks trim..n-1-trim (added in rank order, one division)
+ * into agg. */
+static inline void mean_of_ranks(const float *wires, int64_t n, int64_t trim, int64_t tail,
+                                 int64_t valid, float *agg) {
     const int64_t kept = n - 2 * trim;
     const float *first = wires + trim * tail;
     if (kept == 1) {
         for (int64_t j = 0; j < valid; j++) agg[j] = first[j];
-    } else {
-        const float *second = first + tail;
-        for (int64_t j = 0; j < valid; j++) agg[j] = first[j] + second[j];
-        for (int64_t rank = trim + 2; rank < n - trim; rank++) {
-            const float *wire = wires + rank * tail;
-            for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] + wire[j];
-        }
-        const float divisor = (float)kept;
-        for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] / divisor;
+        return;
     }
+    const float *second = first + tail;
+    for (int64_t j = 0; j < valid; j++) agg[j] = first[j] + second[j];
+    for (int64_t rank = trim + 2; rank < n - trim; rank++) {
+        const float *wire = wires + rank * tail;
+        for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] + wire[j];
+    }
+    const float divisor = (float)kept;
+    for (int64_t j = 0; j < valid; j++) agg[j] = agg[j] / divisor;
+}
+
+/* Per row, the coordinates outside the kept ranks trim..n-1-trim of the sorted wires,
+ * added to dropped[row]. */
+static inline void count_dropped(const float *const *rows, int64_t n, const float *wires,
+                                 int64_t trim, int64_t tail, int64_t offset, int64_t valid,
+                                 int64_t *dropped) {
     if (trim == 0) return;
-    const float *low = first;
+    const float *low = wires + trim * tail;
     const float *high = wires + (n - 1 - trim) * tail;
     for (int64_t i = 0; i < n; i++) {
         const float *row = rows[i] + offset;
-        int64_t count = 0;
+        int32_t count = 0; /* at most SORT_WIDTH */
         for (int64_t j = 0; j < valid; j++) count += (row[j] < low[j]) + (row[j] > high[j]);
         dropped[i] += count;
     }
@@ -125,22 +137,43 @@ static inline void slice_terms_onto(const float *row, const float *agg, int64_t 
  * (shaped like `partial`) gets, in the same pass, each row's sums of its own squares.
  * mode GIVEN: `aggregate` is read; WEIGHTED: sum_k coefficients[k] * rows[combine[k]];
  * TRIMMED: rows 0..n_combine-1 sorted per coordinate by the comparators `pairs`, `trim`
- * dropped from each side, the drops counted into dropped[0..n_combine-1]. */
+ * dropped from each side, the drops counted into dropped[0..n_combine-1].
+ * A non-NULL `second` (TRIMMED only; like `aggregate`, a span at `base`) gets, from the same
+ * sort, the mean of ranks second_trim..n_combine-1-second_trim (the comparators must decide
+ * those ranks too); the drops are then counted for second_trim, and `second_partial`
+ * (shaped like `partial`) gets each row's squared distances to `second`. */
 MULTIVERSION
 int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *combine_index, const float *coefficients, int64_t n_combine,
                     const int64_t *pairs, int64_t n_pairs, int64_t trim, int64_t *dropped,
                     float *aggregate, int64_t length, int64_t base, int64_t block_begin,
                     int64_t block_end, int64_t width, int64_t tail, double *partial,
-                    int64_t partial_blocks, int64_t products, double *squares) {
+                    int64_t partial_blocks, int64_t products, double *squares,
+                    int64_t second_trim, float *second, double *second_partial) {
     const int64_t slices = CHUNK / width;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
     const int levels = bits + 1;
-    /* per tree and row: `levels` pending partial sums of `width` values; the second tree
-     * (with `squares`) sums each row's own squares */
-    const int trees = squares == NULL ? 1 : 2;
-    double *stack = malloc(sizeof(double) * (size_t)(trees * n_rows * levels) * (size_t)width);
+    if (mode != TRIMMED) second = NULL;
+    if (second == NULL) second_partial = NULL;
+    /* the trees, each a sum per row: terms against `aggregate` (squared distances or
+     * products), the row's own squares, squared distances to `second` */
+    double *kept_by[3];
+    const float *other_of[3];
+    int64_t products_of[3];
+    int trees = 0;
+    if (partial != NULL) {
+        kept_by[trees] = partial, other_of[trees] = aggregate, products_of[trees++] = products;
+        if (squares != NULL) {
+            kept_by[trees] = squares, other_of[trees] = NULL, products_of[trees++] = 1;
+        }
+        if (second_partial != NULL) {
+            kept_by[trees] = second_partial, other_of[trees] = second, products_of[trees++] = 0;
+        }
+    }
+    /* per tree and row: `levels` pending partial sums of `width` values */
+    double *stack = malloc(sizeof(double) * (size_t)((trees ? trees : 1) * n_rows * levels) *
+                           (size_t)width);
     float *zeros = calloc((size_t)width, sizeof(float));
     if (stack == NULL || zeros == NULL) {
         free(stack);
@@ -169,8 +202,15 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                 /* sorted in narrower pieces, so the wires stay in L1 */
                 for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
                     const int64_t count = valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
-                    trimmed_slice(rows, n_combine, pairs, n_pairs, trim, dropped, wires,
-                                  SORT_WIDTH, offset - base + piece, count, agg + piece);
+                    const int64_t at = offset - base + piece;
+                    sort_slice(rows, n_combine, pairs, n_pairs, wires, SORT_WIDTH, at, count);
+                    mean_of_ranks(wires, n_combine, trim, SORT_WIDTH, count, agg + piece);
+                    if (second != NULL) {
+                        mean_of_ranks(wires, n_combine, second_trim, SORT_WIDTH, count,
+                                      second + at);
+                    }
+                    count_dropped(rows, n_combine, wires, second == NULL ? trim : second_trim,
+                                  SORT_WIDTH, at, count, dropped);
                 }
             } else if (mode == WEIGHTED && valid > 0) {
                 const float *first = rows[combine_index[0]] + (offset - base);
@@ -194,8 +234,8 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                 const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
                 for (int t = 0; t < trees; t++) {
                     /* a square is the row's product with itself */
-                    const float *other = t == 0 ? agg : row;
-                    const int64_t as_products = t == 0 ? products : 1;
+                    const float *other = other_of[t] == NULL ? row : other_of[t] + (offset - base);
+                    const int64_t as_products = products_of[t];
                     double *levels_of_row = stack + (t * n_rows + i) * levels * width;
                     double *out = levels_of_row + top * width;
                     if (top == 0) {
@@ -216,7 +256,7 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             for (int64_t h = width / 2; h >= tail; h /= 2) {
                 for (int64_t j = 0; j < h; j++) sum[j] = sum[j] + sum[j + h];
             }
-            double *kept = k < n_rows ? partial : squares;
+            double *kept = kept_by[k / n_rows];
             memcpy(kept + ((k % n_rows) * partial_blocks + block) * tail, sum,
                    sizeof(double) * (size_t)tail);
         }
@@ -229,8 +269,9 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
 
 /* Decode `n` int8 codes: out[j] = (float)q[j] * scale[(lead + j) / block_size], one float32
  * rounding each (codec_dense's int8 decode), where `lead` is q[0]'s position in its block.
- * Returns 0; 1 when a code is -128 (nothing meaningful written); 2 when a scale it uses is
- * negative, infinite or NaN (nothing written). */
+ * Returns 0 (every value written is finite); 1 when a code is -128 (nothing meaningful
+ * written); 2 when a scale it uses is negative, infinite or NaN (nothing written); 3 when a
+ * code times its scale overflows to infinity. */
 MULTIVERSION
 int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t block_size,
                         int64_t lead, float *out) {
@@ -240,7 +281,7 @@ int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t 
         const float s = scale[b];
         if (!(s >= 0.0f) || s > 3.4028234663852886e38f) return 2;
     }
-    int bad = 0;
+    int bad = 0, overflow = 0;
     int64_t j = 0;
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * block_size - lead;
@@ -248,12 +289,14 @@ int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t 
         const float s = scale[b];
         for (int64_t k = j; k < end; k++) {
             const int8_t v = q[k];
+            const float value = (float)v * s;
             bad |= (v == -128);
-            out[k] = (float)v * s;
+            overflow |= !(value <= 3.4028234663852886e38f && value >= -3.4028234663852886e38f);
+            out[k] = value;
         }
         j = end;
     }
-    return bad ? 1 : 0;
+    return bad ? 1 : overflow ? 3 : 0;
 }
 
 /* The SHA-256 of this file's bytes, set by the build that compiled it into the package
