@@ -135,6 +135,7 @@ class RowSums:
         products: bool = False,
         squares: RowSums | None = None,
         second: tuple[int, torch.Tensor, RowSums] | None = None,
+        codes: native.Int8Rows | None = None,
     ) -> bool:
         """The rows' terms (of values ``span = (start, end)``, default all) by the C kernel
         (see :mod:`.native`), after writing the ``combine`` aggregate into ``aggregate``
@@ -144,7 +145,8 @@ class RowSums:
         (of the same shape) gets each row's squares in the same pass. ``second = (trim,
         out, distances)``, with a trimmed ``combine``: the mean dropping ``trim`` per side
         from the same sort, into ``out`` (a span like ``aggregate``), and each row's
-        squared distances to it into ``distances`` (of the same shape)."""
+        squared distances to it into ``distances`` (of the same shape). ``codes``: the first
+        rows (None in ``rows``) are int8 codes the kernel decodes."""
         if self.width != CHUNK or len(rows) != self._partial.shape[0]:
             return False
         if squares is not None and squares._partial.shape != self._partial.shape:
@@ -173,6 +175,7 @@ class RowSums:
             products=products,
             squares=None if squares is None else squares._partial,
             second=second_mean,
+            codes=codes,
         )
 
     def _blocks(self, start: int, end: int) -> int:

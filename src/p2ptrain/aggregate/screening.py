@@ -174,6 +174,27 @@ class FirstPass:
     dropped: tuple[int, ...] = ()
 
 
+def _int8_rows(vectors: Sequence[FlatVector]) -> native.Int8Rows | None:
+    """The vectors as int8 codes for the kernel to decode, when every one is an int8
+    update in memory (or a mapped file) with the same parameters."""
+    found = []
+    for vector in vectors:
+        codes = vector.int8_codes() if isinstance(vector, UpdateVector) else None
+        if codes is None:
+            return None
+        found.append(codes)
+    first = found[0]
+    if any((c.starts, c.block_size) != (first.starts, first.block_size) for c in found):
+        return None
+    return native.Int8Rows(
+        first.starts,
+        first.block_size,
+        [c.q for c in found],
+        [c.scale for c in found],
+        torch.zeros(len(found), dtype=torch.int32),
+    )
+
+
 def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) -> FirstPass | None:
     """:func:`measure` and, in the same pass, the centre of all ``vectors`` (what
     :func:`_centre_products` gives for them: the dot products, the centre's norm): one read
@@ -204,12 +225,16 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
         mean = torch.empty(length, dtype=torch.float32)
     width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
     centre = torch.empty(width, dtype=torch.float32)
+    # int8 updates seen whole in memory are decoded inside the kernel, a slice at a time
+    codes = _int8_rows(vectors)
     for first, last in windows(length, sums.span):
-        spans: list[torch.Tensor] = []
-        for vector, read in zip(vectors, read_window(vectors, first, last), strict=True):
-            if not isinstance(read, torch.Tensor) or not _finite(vector, read):
-                return None
-            spans.append(read)
+        spans: list[torch.Tensor | None] = [None] * n
+        if codes is None:
+            spans = []
+            for vector, read in zip(vectors, read_window(vectors, first, last), strict=True):
+                if not isinstance(read, torch.Tensor) or not _finite(vector, read):
+                    return None
+                spans.append(read)
         window = centre[: last - first]
         second = None
         if trim is not None and mean is not None and distances is not None:
@@ -217,9 +242,11 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
         # the centre itself is the last row: its product with itself is its squared norm
         if not sums.fill_natively(
             [*spans, window], kernel, window, (first, last), base=first, products=True,
-            squares=squares, second=second,
+            squares=squares, second=second, codes=codes,
         ):  # fmt: skip
             return None
+    if codes is not None and bool(codes.status.any()):
+        return None  # a bad code, scale or value: measure() names the update
     dots, norms = sums.totals(), squares.totals()
     ranked: dict[str, Any] = {}
     if mean is not None and distances is not None:

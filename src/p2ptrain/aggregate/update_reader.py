@@ -24,8 +24,9 @@ import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
+import numpy as np
 import torch
 
 from p2ptrain.aggregate import native
@@ -43,7 +44,7 @@ from p2ptrain.core.manifests import CodecSpec
 from p2ptrain.core.tensors import TensorSlot, TensorSpec, read_layout, uint8_alias
 from p2ptrain.errors import LocalError, ProtocolViolation
 
-__all__ = ["ByteSource", "MemoryBytes", "UpdateVector", "source_of"]
+__all__ = ["ByteSource", "Int8Codes", "MemoryBytes", "UpdateVector", "source_of"]
 
 #: The most values one read decodes: a caller's span (a pass's window) is at most this.
 MAX_SPAN: Final = 1 << 24
@@ -65,6 +66,11 @@ class ByteSource(Protocol):
         took them in), or None: the reader of the blob hashes them itself."""
         ...
 
+    def memory(self) -> memoryview | None:
+        """All the bytes as one read-only view (in memory, or a file mapped), valid while
+        the source lives; None when they can only be read by range."""
+        ...
+
 
 class MemoryBytes:
     """A blob held in memory."""
@@ -83,12 +89,27 @@ class MemoryBytes:
     def verified_id(self) -> str | None:
         return None
 
+    def memory(self) -> memoryview:
+        return self._view
+
 
 def source_of(blob: bytes | bytearray | memoryview | ByteSource) -> ByteSource:
     """``blob`` as a byte source (bytes in memory are wrapped)."""
     if isinstance(blob, bytes | bytearray | memoryview):
         return MemoryBytes(blob)
     return blob
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Codes:
+    """An int8 update's codes in memory: its non-empty parameters hold positions
+    ``starts[k] .. starts[k + 1] - 1``; ``q[k]`` and ``scale[k]`` are the addresses of
+    parameter ``k``'s codes and scales (one per ``block_size`` codes)."""
+
+    starts: tuple[int, ...]
+    block_size: int
+    q: tuple[int, ...]
+    scale: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +165,28 @@ class UpdateVector:
         self._buffer = torch.empty(0, dtype=torch.float32)
         self._whole: tuple[str, torch.Tensor] | None = None
         self._checked = False
+        self._memory: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+
+    def int8_codes(self) -> Int8Codes | None:
+        """Where its int8 codes and scales lie in memory, for a pass that decodes them in
+        the C kernel (:class:`~p2ptrain.aggregate.native.Int8Rows`); None when the codec is
+        not int8 or the blob cannot be seen whole in memory. The vector keeps the memory
+        mapped while it lives; the headers were checked on opening, so every address and
+        length lies inside the blob."""
+        if not isinstance(self._codec, Int8Codec):
+            return None
+        memory = self._source.memory()
+        parameters = [p for p in self._parameters if p.numel]
+        if memory is None or not parameters:
+            return None
+        self._memory = np.frombuffer(memory, dtype=np.uint8)
+        base = int(self._memory.ctypes.data) + self._data_start
+        return Int8Codes(
+            starts=(*(p.start for p in parameters), self._numel),
+            block_size=self._codec.block_size,
+            q=tuple(base + p.parts["q"].begin for p in parameters),
+            scale=tuple(base + p.parts["scale"].begin for p in parameters),
+        )
 
     def numel(self) -> int:
         return self._numel

@@ -47,6 +47,11 @@ class SpooledBlob(Protocol):
         """Exactly ``length`` bytes from ``offset``."""
         ...
 
+    def memory(self) -> memoryview | None:
+        """The whole blob mapped read-only (a
+        :class:`~p2ptrain.aggregate.update_reader.ByteSource`); None when empty."""
+        ...
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The blob decoded as a state dict whose tensors are views of the mapped file."""
         ...

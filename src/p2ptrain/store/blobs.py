@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import itertools
 import logging
+import mmap
 import os
 import re
 import tempfile
@@ -77,6 +78,7 @@ class BlobFile:
     def __init__(self, fd: int, blob_id: str, size: int) -> None:
         self._fd, self._id, self._size = fd, blob_id, size
         self._closer = weakref.finalize(self, os.close, fd)
+        self._mapped: mmap.mmap | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -96,6 +98,15 @@ class BlobFile:
                 raise OSError(f"blob {self._id[:12]} ended at byte {offset + len(data)}")
             data += more
         return data
+
+    def memory(self) -> memoryview | None:
+        """The whole file mapped read-only (stored files never change: a new blob is a new
+        file), kept until this reader is dropped; None for an empty blob."""
+        if self._size == 0:
+            return None
+        if self._mapped is None:
+            self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
+        return memoryview(self._mapped)
 
     def close(self) -> None:
         self._closer()

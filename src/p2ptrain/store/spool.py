@@ -96,6 +96,7 @@ class SpooledFile:
         self._where = path
         self._hashed = hashed
         self._closer = weakref.finalize(self, _discard, fd, self._path)
+        self._mapped: mmap.mmap | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -121,6 +122,13 @@ class SpooledFile:
         if offset < 0 or length < 0 or offset + length > self._size:
             raise OSError(f"bytes {offset}..{offset + length} lie outside {self._where}")
         return _pread_exactly(self._fd, length, offset)
+
+    def memory(self) -> memoryview | None:
+        if self._size == 0:
+            return None
+        if self._mapped is None:
+            self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
+        return memoryview(self._mapped)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         layout = read_layout(self.read, self._size, max_bytes=max(self._size, DEFAULT_MAX_BYTES))

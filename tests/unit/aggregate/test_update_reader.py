@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.aggregate import native
+from p2ptrain.aggregate import native, screening
 from p2ptrain.aggregate.codecs import decode_update, make_encoder, max_update_bytes
 from p2ptrain.aggregate.cohort import Contribution
 from p2ptrain.aggregate.exact import CHUNK, flatten, norm64
@@ -142,6 +142,58 @@ def test_an_int8_value_that_overflows_is_refused_once_decoded() -> None:
     honest = UpdateVector(make_encoder(spec, schema).encode(weights), spec, schema, max_bytes=limit)
     honest[0:100]
     assert honest.checked_finite is native.available()
+
+
+@pytest.mark.parametrize("block_size", [7, 256])
+def test_int8_codes_decoded_inside_the_kernel_give_the_bits_of_decoded_windows(
+    tmp_path: Path, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pass over int8 updates in memory or mapped from a store decodes their
+    codes inside the kernel: the same norms, centre, mean, distances and drop counts as
+    when the windows are decoded first; a bad code leaves the naming to measure()."""
+    ensure_kernel()
+    if not native.available():
+        pytest.skip("no C compiler: the kernel is not built here")
+    generator = torch.Generator().manual_seed(SEED)
+    weights = {
+        "a": torch.randn(CHUNK + 1000, generator=generator),
+        "empty": torch.ones(0),
+        "b": torch.randn(3, 5, generator=generator),
+        "c": torch.randn(WINDOW + 77, generator=generator),
+    }
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8", config={"block_size": block_size})
+    encoder = make_encoder(spec, schema)
+    limit = max_update_bytes(spec, schema)
+    blobs = [
+        encoder.encode({k: v * (0.5 + i) + 0.01 * i for k, v in weights.items()}) for i in range(6)
+    ]
+    with BlobStore(tmp_path / "blobs") as store:
+        readers = [store.reader(store.put(blob)) for blob in blobs[:3]]
+        sources = [*readers, *(bytes(blob) for blob in blobs[3:])]
+        vectors = [UpdateVector(source, spec, schema, max_bytes=limit) for source in sources]
+        assert screening._int8_rows(vectors) is not None
+        inside = screening.measure_with_centre(vectors, 1)
+        monkeypatch.setattr(screening, "_int8_rows", lambda vectors: None)
+        decoded = screening.measure_with_centre(vectors, 1)
+        monkeypatch.undo()
+        assert inside is not None and decoded is not None
+        assert inside.mean is not None and decoded.mean is not None
+        assert torch.equal(inside.mean.view(torch.int32), decoded.mean.view(torch.int32))
+        assert (inside.norms, inside.dots, inside.centre_norm) == (
+            decoded.norms, decoded.dots, decoded.centre_norm
+        ), f"seed {SEED}"  # fmt: skip
+        assert (inside.distances, inside.dropped) == (decoded.distances, decoded.dropped)
+        bad = bytearray(blobs[4])
+        header = int.from_bytes(bad[:8], "little")
+        begin = 8 + header + json.loads(bad[8 : 8 + header])["c/q"]["data_offsets"][0]
+        bad[begin + WINDOW] = 0x80  # -128, in the second window
+        vectors[4] = UpdateVector(bytes(bad), spec, schema, max_bytes=limit)
+        assert screening.measure_with_centre(vectors, 1) is None
+        problems = measure(vectors)
+        assert isinstance(problems[4], str) and "-128" in problems[4]
+        for reader in readers:
+            reader.close()
 
 
 def test_the_kernel_computes_an_aggregate_alone() -> None:

@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "KERNEL_SOURCE",
+    "Int8Rows",
     "KernelLoader",
     "SecondMean",
     "Trimmed",
@@ -101,8 +102,23 @@ def _function() -> Any | None:
         ctypes.c_int64,  # second_trim
         ctypes.c_void_p,  # second
         ctypes.c_void_p,  # second_partial
+        ctypes.c_void_p,  # codes
+        ctypes.c_void_p,  # code_status
     ]
     return function
+
+
+class _Codes(ctypes.Structure):
+    """The kernel's ``p2p_codes``."""
+
+    _fields_ = (
+        ("rows", ctypes.c_int64),
+        ("segments", ctypes.c_int64),
+        ("starts", ctypes.c_void_p),
+        ("block_size", ctypes.c_int64),
+        ("q", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+    )
 
 
 @functools.cache
@@ -197,6 +213,64 @@ class SecondMean:
     partial: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class Int8Rows:
+    """The first ``len(q)`` rows of a pass as int8 codes, decoded inside it (the int8
+    codec's bits): parameter ``k`` holds positions ``starts[k] .. starts[k + 1] - 1`` (each
+    non-empty, ``starts[0] = 0``, ``starts[-1]`` the vectors' length); ``q[i][k]`` and
+    ``scale[i][k]`` are the addresses of row ``i``'s codes and scales of parameter ``k``,
+    which the caller keeps mapped (and checked in bounds) for the pass. After the pass,
+    ``status`` (int32, one per row) holds each row's worst decode status
+    (:func:`dequantise_int8`'s): a row with one but 0 made the pass meaningless."""
+
+    starts: Sequence[int]
+    block_size: int
+    q: Sequence[Sequence[int]]
+    scale: Sequence[Sequence[int]]
+    status: torch.Tensor
+
+
+def _codes_args(codes: Int8Rows | None) -> tuple[Any, list[Any]] | None:
+    """The kernel's ``codes`` struct (and what it points at, kept alive by the caller)."""
+    if codes is None:
+        return None
+    rows, segments = len(codes.q), len(codes.starts) - 1
+    if segments < 1 or codes.block_size < 1 or len(codes.scale) != rows:
+        raise ValueError("int8 rows need one or more parameters and a positive block size")
+    if any(len(q) != segments for q in codes.q) or any(len(s) != segments for s in codes.scale):
+        raise ValueError("int8 rows need one address per parameter")
+    if codes.status.dtype != torch.int32 or codes.status.numel() != rows:
+        raise ValueError("int8 rows need an int32 status per row")
+    starts = (ctypes.c_int64 * len(codes.starts))(*codes.starts)
+    q = (ctypes.c_int64 * (rows * segments))(*[a for row in codes.q for a in row])
+    scale = (ctypes.c_int64 * (rows * segments))(*[a for row in codes.scale for a in row])
+    struct = _Codes(
+        rows,
+        segments,
+        ctypes.cast(starts, ctypes.c_void_p),
+        codes.block_size,
+        ctypes.cast(q, ctypes.c_void_p),
+        ctypes.cast(scale, ctypes.c_void_p),
+    )
+    return struct, [starts, q, scale]
+
+
+def _combine_args(combine: Weighted | Trimmed | None) -> tuple[int, int, int, Any, Any, Any, int]:
+    """The kernel's mode, n_combine, trim, combine_index, coefficients, pairs and n_pairs."""
+    mode, index, coefficients, pairs, count, trim = _GIVEN, [0], [0.0], [0, 0], 0, 0
+    if isinstance(combine, Weighted):
+        mode, count = _WEIGHTED, len(combine.terms)
+        index, coefficients = [i for i, _ in combine.terms], [c for _, c in combine.terms]
+    elif isinstance(combine, Trimmed):
+        mode, count, trim = _TRIMMED, combine.n, combine.trim
+        pairs = [wire for pair in combine.network for wire in pair] or [0, 0]
+    c_index = (ctypes.c_int64 * len(index))(*index)
+    c_coefficients = (ctypes.c_float * len(coefficients))(*coefficients)
+    c_pairs = (ctypes.c_int64 * len(pairs))(*pairs)
+    n_pairs = len(pairs) // 2 if isinstance(combine, Trimmed) and combine.network else 0
+    return mode, count, trim, c_index, c_coefficients, c_pairs, n_pairs
+
+
 def _second_args(
     second: SecondMean | None,
     combine: Weighted | Trimmed | None,
@@ -231,6 +305,7 @@ def stream_pass(
     products: bool = False,
     squares: torch.Tensor | None = None,
     second: SecondMean | None = None,
+    codes: Int8Rows | None = None,
 ) -> bool:
     """Fill ``partial`` (float64, ``(len(rows), blocks, tail)``) with each row's per-block
     tree sums of squared distances to ``aggregate``, after writing into ``aggregate`` the
@@ -243,12 +318,17 @@ def stream_pass(
     exact in float64; a row that is the aggregate's own span gives its squared norm).
     ``squares`` (float64, shaped like ``partial``) gets each row's sums of its own squares
     (its squared norm's tree) in the same pass; ``second`` (with a :class:`Trimmed`
-    ``combine`` and ``partial``) a second mean from the same sort. Returns False, touching
+    ``combine`` and ``partial``) a second mean from the same sort. ``codes``: the first
+    rows are decoded from int8 codes inside the pass (their entries in ``rows`` are None,
+    and do not stand for zeros). Returns False, touching
     nothing, when the kernel is unavailable or a tensor is not a contiguous CPU float32 one."""
     function = _function()
     if function is None or not _usable(aggregate):
         return False
     if any(row is not None and not _usable(row) for row in rows):
+        return False
+    code_rows = 0 if codes is None else len(codes.q)
+    if code_rows > len(rows) or any(row is not None for row in rows[:code_rows]):
         return False
     length = aggregate.numel() if length is None else length
     if partial is None:
@@ -269,29 +349,22 @@ def stream_pass(
         if squares.dtype != torch.float64 or not squares.is_contiguous():
             return False
         squares_pointer = squares.data_ptr()
-    if isinstance(combine, Trimmed) and any(row is None for row in rows[: combine.n]):
+    if isinstance(combine, Trimmed) and any(row is None for row in rows[code_rows : combine.n]):
         return False
     second_args = _second_args(second, combine, aggregate, partial)
     if second_args is None:
         return False
     second_trim, second_pointer, second_partial = second_args
     pointers = (ctypes.c_void_p * len(rows))(*[None if r is None else r.data_ptr() for r in rows])
-    mode, index, coefficients, pairs, count, trim = _GIVEN, [0], [0.0], [0, 0], 0, 0
-    if isinstance(combine, Weighted):
-        mode, count = _WEIGHTED, len(combine.terms)
-        index, coefficients = [i for i, _ in combine.terms], [c for _, c in combine.terms]
-    elif isinstance(combine, Trimmed):
-        mode, count, trim = _TRIMMED, combine.n, combine.trim
-        pairs = [wire for pair in combine.network for wire in pair] or [0, 0]
-    c_index = (ctypes.c_int64 * len(index))(*index)
-    c_coefficients = (ctypes.c_float * len(coefficients))(*coefficients)
-    c_pairs = (ctypes.c_int64 * len(pairs))(*pairs)
-    n_pairs = len(pairs) // 2 if isinstance(combine, Trimmed) and combine.network else 0
+    mode, count, trim, c_index, c_coefficients, c_pairs, n_pairs = _combine_args(combine)
     first, last = (0, -(-length // chunk)) if blocks is None else blocks
     threads = max(1, torch.get_num_threads())
     per_task = max(1, min(_BLOCKS_PER_TASK, -(-(last - first) // threads)))
     starts = range(first, last, per_task)
     dropped = torch.zeros(len(starts), max(1, count), dtype=torch.int64)
+    decoding = _codes_args(codes)
+    codes_pointer = None if decoding is None else ctypes.addressof(decoding[0])
+    status = torch.zeros(len(starts), max(1, code_rows), dtype=torch.int32)
 
     def run(task: int) -> int:
         begin = starts[task]
@@ -301,15 +374,18 @@ def stream_pass(
                 dropped[task].data_ptr(), aggregate.data_ptr(), length, base,
                 begin, min(begin + per_task, last), _WIDTH, tail, partial_pointer, partial_blocks,
                 int(products), squares_pointer, second_trim, second_pointer, second_partial,
+                codes_pointer, status[task].data_ptr(),
             )
         )  # fmt: skip
 
     if threads == 1 or len(starts) == 1:
-        codes = [run(task) for task in range(len(starts))]
+        results = [run(task) for task in range(len(starts))]
     else:
-        codes = list(_pool(threads).map(run, range(len(starts))))
-    if any(codes):
+        results = list(_pool(threads).map(run, range(len(starts))))
+    if any(results):
         raise MemoryError("the aggregation kernel could not allocate its scratch memory")
     if isinstance(combine, Trimmed):
         combine.dropped.add_(dropped.sum(dim=0)[: combine.n])
+    if codes is not None:
+        torch.maximum(codes.status, status.amax(dim=0)[:code_rows], out=codes.status)
     return True

@@ -99,6 +99,77 @@ static inline void count_dropped(const float *const *rows, int64_t n, const floa
     }
 }
 
+/* p2p_dequantise_int8's decode (see there). */
+static inline int dequantise(const int8_t *q, const float *scale, int64_t n, int64_t block_size,
+                             int64_t lead, float *out) {
+    if (n <= 0) return 0;
+    const int64_t blocks = (lead + n - 1) / block_size + 1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float s = scale[b];
+        if (!(s >= 0.0f) || s > 3.4028234663852886e38f) return 2;
+    }
+    int bad = 0, overflow = 0;
+    int64_t j = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t end = (b + 1) * block_size - lead;
+        if (end > n) end = n;
+        const float s = scale[b];
+        /* min and max reductions (vectorised), not a test per value: a block's largest
+         * value in magnitude is its largest code in magnitude times its scale */
+        int lowest = 0, highest = 0;
+        for (int64_t k = j; k < end; k++) {
+            const int v = q[k];
+            lowest = v < lowest ? v : lowest;
+            highest = v > highest ? v : highest;
+            out[k] = (float)v * s;
+        }
+        bad |= lowest == -128;
+        const float largest = (float)(highest > -lowest ? highest : -lowest) * s;
+        overflow |= !(largest <= 3.4028234663852886e38f);
+        j = end;
+    }
+    return bad ? 1 : overflow ? 3 : 0;
+}
+
+/* Update rows held as int8 codes (codec_dense's int8: each parameter's codes, and one
+ * scale per block_size codes), decoded a slice at a time inside a pass: rows 0..rows-1 of
+ * the pass. The parameters are `segments` non-empty runs of positions: parameter k holds
+ * positions starts[k]..starts[k+1]-1 (starts[0] = 0, starts[segments] = the length); row i's
+ * codes and scales of parameter k are at the addresses q[i * segments + k] and
+ * scale[i * segments + k]. */
+typedef struct {
+    int64_t rows;
+    int64_t segments;
+    const int64_t *starts;
+    int64_t block_size;
+    const int64_t *q;
+    const int64_t *scale;
+} p2p_codes;
+
+/* Row i's values at positions offset..offset+valid-1, decoded into out; the worst decode
+ * status (see p2p_dequantise_int8) is kept in *status. */
+static inline void decode_slice(const p2p_codes *codes, int64_t i, int64_t offset, int64_t valid,
+                         float *out, int32_t *status) {
+    int64_t low = 0, high = codes->segments - 1; /* the last parameter starting <= offset */
+    while (low < high) {
+        const int64_t mid = (low + high + 1) / 2;
+        if (codes->starts[mid] <= offset) low = mid;
+        else high = mid - 1;
+    }
+    const int64_t end = offset + valid;
+    int64_t x = offset;
+    for (int64_t k = low; x < end && k < codes->segments; k++) {
+        const int64_t stop = codes->starts[k + 1] < end ? codes->starts[k + 1] : end;
+        const int64_t j = x - codes->starts[k];
+        const int8_t *q = (const int8_t *)(intptr_t)codes->q[i * codes->segments + k];
+        const float *scale = (const float *)(intptr_t)codes->scale[i * codes->segments + k];
+        const int found = dequantise(q + j, scale + j / codes->block_size, stop - x,
+                                     codes->block_size, j % codes->block_size, out + (x - offset));
+        if (found > *status) *status = found;
+        x = stop;
+    }
+}
+
 /* One slice's terms: (row - agg)^2 (the difference rounded to float32, squared exactly in
  * float64) or with `products` row * agg (exact in float64); zeros past `valid`. */
 static inline void slice_terms(const float *row, const float *agg, int64_t valid, int64_t tail,
@@ -141,7 +212,10 @@ static inline void slice_terms_onto(const float *row, const float *agg, int64_t 
  * A non-NULL `second` (TRIMMED only; like `aggregate`, a span at `base`) gets, from the same
  * sort, the mean of ranks second_trim..n_combine-1-second_trim (the comparators must decide
  * those ranks too); the drops are then counted for second_trim, and `second_partial`
- * (shaped like `partial`) gets each row's squared distances to `second`. */
+ * (shaped like `partial`) gets each row's squared distances to `second`.
+ * A non-NULL `codes` decodes rows 0..codes->rows-1 from int8 codes (their `rows` entries are
+ * not read), each row's worst decode status kept in code_status[row]: any status but 0
+ * makes the pass's results meaningless. */
 MULTIVERSION
 int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     const int64_t *combine_index, const float *coefficients, int64_t n_combine,
@@ -149,7 +223,8 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     float *aggregate, int64_t length, int64_t base, int64_t block_begin,
                     int64_t block_end, int64_t width, int64_t tail, double *partial,
                     int64_t partial_blocks, int64_t products, double *squares,
-                    int64_t second_trim, float *second, double *second_partial) {
+                    int64_t second_trim, float *second, double *second_partial,
+                    const p2p_codes *codes, int32_t *code_status) {
     const int64_t slices = CHUNK / width;
     int bits = 0;
     while (((int64_t)1 << bits) < slices) bits++;
@@ -180,14 +255,18 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
         free(zeros);
         return -1;
     }
-    float *wires = NULL;
-    if (mode == TRIMMED) {
-        wires = malloc(sizeof(float) * (size_t)(n_combine * SORT_WIDTH));
-        if (wires == NULL) {
-            free(stack);
-            free(zeros);
-            return -1;
-        }
+    /* each row's values of the slice at hand: in place, or decoded into `decoded` */
+    const int64_t code_rows = codes == NULL ? 0 : codes->rows;
+    const float **at = malloc(sizeof(float *) * (size_t)n_rows);
+    float *decoded = malloc(sizeof(float) * (size_t)((code_rows ? code_rows : 1) * width));
+    float *wires = malloc(sizeof(float) * (size_t)((mode == TRIMMED ? n_combine : 1) * SORT_WIDTH));
+    if (at == NULL || decoded == NULL || wires == NULL) {
+        free(stack);
+        free(zeros);
+        free(at);
+        free(decoded);
+        free(wires);
+        return -1;
     }
 
     for (int64_t block = block_begin; block < block_end; block++) {
@@ -198,26 +277,34 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             if (valid > width) valid = width;
             if (valid < 0) valid = 0;
             float *agg = aggregate + (offset - base);
+            for (int64_t i = 0; i < n_rows; i++) {
+                if (i < code_rows) {
+                    float *values = decoded + i * width;
+                    if (valid > 0) decode_slice(codes, i, offset, valid, values, code_status + i);
+                    at[i] = values;
+                } else {
+                    at[i] = rows[i] == NULL ? zeros : rows[i] + (offset - base);
+                }
+            }
             if (mode == TRIMMED && valid > 0) {
                 /* sorted in narrower pieces, so the wires stay in L1 */
                 for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
                     const int64_t count = valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
-                    const int64_t at = offset - base + piece;
-                    sort_slice(rows, n_combine, pairs, n_pairs, wires, SORT_WIDTH, at, count);
+                    sort_slice(at, n_combine, pairs, n_pairs, wires, SORT_WIDTH, piece, count);
                     mean_of_ranks(wires, n_combine, trim, SORT_WIDTH, count, agg + piece);
                     if (second != NULL) {
                         mean_of_ranks(wires, n_combine, second_trim, SORT_WIDTH, count,
-                                      second + at);
+                                      second + (offset - base) + piece);
                     }
-                    count_dropped(rows, n_combine, wires, second == NULL ? trim : second_trim,
-                                  SORT_WIDTH, at, count, dropped);
+                    count_dropped(at, n_combine, wires, second == NULL ? trim : second_trim,
+                                  SORT_WIDTH, piece, count, dropped);
                 }
             } else if (mode == WEIGHTED && valid > 0) {
-                const float *first = rows[combine_index[0]] + (offset - base);
+                const float *first = at[combine_index[0]];
                 const float c0 = coefficients[0];
                 for (int64_t j = 0; j < valid; j++) agg[j] = first[j] * c0;
                 for (int64_t k = 1; k < n_combine; k++) {
-                    const float *row = rows[combine_index[k]] + (offset - base);
+                    const float *row = at[combine_index[k]];
                     const float c = coefficients[k];
                     for (int64_t j = 0; j < valid; j++) {
                         const float product = row[j] * c;
@@ -231,7 +318,7 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
             int top = 0;
             while ((r >> top) & 1) top++;
             for (int64_t i = 0; i < n_rows; i++) {
-                const float *row = rows[i] == NULL ? zeros : rows[i] + (offset - base);
+                const float *row = at[i];
                 for (int t = 0; t < trees; t++) {
                     /* a square is the row's product with itself */
                     const float *other = other_of[t] == NULL ? row : other_of[t] + (offset - base);
@@ -263,6 +350,8 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
     }
     free(stack);
     free(zeros);
+    free(at);
+    free(decoded);
     free(wires);
     return 0;
 }
@@ -275,28 +364,7 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
 MULTIVERSION
 int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t block_size,
                         int64_t lead, float *out) {
-    if (n <= 0) return 0;
-    const int64_t blocks = (lead + n - 1) / block_size + 1;
-    for (int64_t b = 0; b < blocks; b++) {
-        const float s = scale[b];
-        if (!(s >= 0.0f) || s > 3.4028234663852886e38f) return 2;
-    }
-    int bad = 0, overflow = 0;
-    int64_t j = 0;
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t end = (b + 1) * block_size - lead;
-        if (end > n) end = n;
-        const float s = scale[b];
-        for (int64_t k = j; k < end; k++) {
-            const int8_t v = q[k];
-            const float value = (float)v * s;
-            bad |= (v == -128);
-            overflow |= !(value <= 3.4028234663852886e38f && value >= -3.4028234663852886e38f);
-            out[k] = value;
-        }
-        j = end;
-    }
-    return bad ? 1 : overflow ? 3 : 0;
+    return dequantise(q, scale, n, block_size, lead, out);
 }
 
 /* The SHA-256 of this file's bytes, set by the build that compiled it into the package
