@@ -245,6 +245,10 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
             squares=squares, second=second, codes=codes,
         ):  # fmt: skip
             return None
+        if codes is not None:
+            for vector in vectors:
+                if isinstance(vector, UpdateVector):
+                    vector.forget(first, last)
     if codes is not None and bool(codes.status.any()):
         return None  # a bad code, scale or value: measure() names the update
     dots, norms = sums.totals(), squares.totals()

@@ -71,6 +71,11 @@ class ByteSource(Protocol):
         the source lives; None when they can only be read by range."""
         ...
 
+    def forget(self, offset: int, length: int) -> None:
+        """Those bytes of :meth:`memory` will not be read again soon: a mapped file lets go
+        of their pages (a pass then holds a window of its cohort, not all of it)."""
+        ...
+
 
 class MemoryBytes:
     """A blob held in memory."""
@@ -91,6 +96,9 @@ class MemoryBytes:
 
     def memory(self) -> memoryview:
         return self._view
+
+    def forget(self, offset: int, length: int) -> None:
+        pass  # the bytes are the caller's memory
 
 
 def source_of(blob: bytes | bytearray | memoryview | ByteSource) -> ByteSource:
@@ -187,6 +195,21 @@ class UpdateVector:
             q=tuple(base + p.parts["q"].begin for p in parameters),
             scale=tuple(base + p.parts["scale"].begin for p in parameters),
         )
+
+    def forget(self, start: int, end: int) -> None:
+        """Values ``start .. end`` were read from :meth:`int8_codes`' memory and will not be
+        again soon: a mapped blob lets go of their codes' pages."""
+        if self._memory is None:
+            return
+        first = max(0, bisect.bisect_right(self._starts, start) - 1)
+        for parameter in self._parameters[first:]:
+            if parameter.start >= end:
+                break
+            low = max(start, parameter.start) - parameter.start
+            high = min(end, parameter.start + parameter.numel) - parameter.start
+            if high > low:
+                q = parameter.parts["q"]
+                self._source.forget(self._data_start + q.begin + low, high - low)
 
     def numel(self) -> int:
         return self._numel

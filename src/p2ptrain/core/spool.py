@@ -52,6 +52,10 @@ class SpooledBlob(Protocol):
         :class:`~p2ptrain.aggregate.update_reader.ByteSource`); None when empty."""
         ...
 
+    def forget(self, offset: int, length: int) -> None:
+        """Let go of the mapped pages of that range (a ``ByteSource``)."""
+        ...
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The blob decoded as a state dict whose tensors are views of the mapped file."""
         ...

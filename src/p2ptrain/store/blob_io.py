@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -101,3 +102,31 @@ def read_and_hash(fd: int, size: int) -> tuple[bytearray, str | None]:
         hasher.update(view)
     view.release()
     return data, hasher.hexdigest()
+
+
+class FileMapping:
+    """A stored file (which never changes: a new blob is a new file) mapped read-only on
+    first use, for readers that want its bytes as memory."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self._size = fd, size
+        self._mapped: mmap.mmap | None = None
+
+    def memory(self) -> memoryview | None:
+        """The whole file; None when it is empty (nothing to map)."""
+        if self._size == 0:
+            return None
+        if self._mapped is None:
+            self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
+        return memoryview(self._mapped)
+
+    def forget(self, offset: int, length: int) -> None:
+        """Let go of the pages of bytes ``offset .. offset + length`` (they stay in the page
+        cache, and come back if read again): a pass over a mapped cohort then holds a
+        window of it in the process's memory, not all of it."""
+        if self._mapped is None or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(self._size, offset + length)
+        if end > start:
+            self._mapped.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -33,7 +33,6 @@ import fcntl
 import hashlib
 import itertools
 import logging
-import mmap
 import os
 import re
 import tempfile
@@ -48,6 +47,7 @@ from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.errors import BlobCorrupted, BlobNotFound, LocalError, ProtocolViolation
 from p2ptrain.store.blob_io import (
     PARALLEL_MIN_BYTES,
+    FileMapping,
     fsync_directory,
     hash_while,
     read_and_hash,
@@ -78,7 +78,7 @@ class BlobFile:
     def __init__(self, fd: int, blob_id: str, size: int) -> None:
         self._fd, self._id, self._size = fd, blob_id, size
         self._closer = weakref.finalize(self, os.close, fd)
-        self._mapped: mmap.mmap | None = None
+        self._mapping = FileMapping(fd, size)
 
     def __len__(self) -> int:
         return self._size
@@ -100,13 +100,12 @@ class BlobFile:
         return data
 
     def memory(self) -> memoryview | None:
-        """The whole file mapped read-only (stored files never change: a new blob is a new
-        file), kept until this reader is dropped; None for an empty blob."""
-        if self._size == 0:
-            return None
-        if self._mapped is None:
-            self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
-        return memoryview(self._mapped)
+        """The whole file mapped read-only, kept until this reader is dropped; None for an
+        empty blob."""
+        return self._mapping.memory()
+
+    def forget(self, offset: int, length: int) -> None:
+        self._mapping.forget(offset, length)
 
     def close(self) -> None:
         self._closer()

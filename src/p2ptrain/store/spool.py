@@ -26,6 +26,7 @@ import torch
 
 from p2ptrain.core.spool import BlobSink
 from p2ptrain.core.tensors import DEFAULT_MAX_BYTES, read_layout
+from p2ptrain.store.blob_io import FileMapping
 
 __all__ = ["FileSpool", "SpooledFile"]
 
@@ -96,7 +97,7 @@ class SpooledFile:
         self._where = path
         self._hashed = hashed
         self._closer = weakref.finalize(self, _discard, fd, self._path)
-        self._mapped: mmap.mmap | None = None
+        self._mapping = FileMapping(fd, size)
 
     def __len__(self) -> int:
         return self._size
@@ -124,11 +125,10 @@ class SpooledFile:
         return _pread_exactly(self._fd, length, offset)
 
     def memory(self) -> memoryview | None:
-        if self._size == 0:
-            return None
-        if self._mapped is None:
-            self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
-        return memoryview(self._mapped)
+        return self._mapping.memory()
+
+    def forget(self, offset: int, length: int) -> None:
+        self._mapping.forget(offset, length)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         layout = read_layout(self.read, self._size, max_bytes=max(self._size, DEFAULT_MAX_BYTES))
