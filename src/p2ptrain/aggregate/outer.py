@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from p2ptrain.aggregate import native
 from p2ptrain.aggregate.exact import CHUNK
 from p2ptrain.core.manifests import OuterOptimizerSpec
 from p2ptrain.errors import LocalError
@@ -249,6 +250,10 @@ class OuterNesterov:
         new_buffer: torch.Tensor,
         scratch: torch.Tensor,
     ) -> None:
+        if native.nesterov(
+            theta, g, buffer, mu=self._mu32, lr=self._lr32, new_theta=new_theta, new_buf=new_buffer
+        ):
+            return  # the same operations in C, one pass
         for start in range(0, theta.numel(), CHUNK):
             end = min(start + CHUNK, theta.numel())
             buf, step = new_buffer[start:end], scratch[: end - start]

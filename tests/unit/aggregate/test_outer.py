@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from p2ptrain.aggregate import native
 from p2ptrain.aggregate.exact import CHUNK
 from p2ptrain.aggregate.outer import (
     MOMENTUM_PREFIX,
@@ -190,3 +191,38 @@ def test_sgd_refuses_a_momentum_state() -> None:
 def test_bad_settings_name_their_key(build: Callable[[], object], key: str) -> None:
     with pytest.raises(LocalError, match=rf"outer_optimizer\.{key} must be"):
         build()
+
+
+def test_the_kernel_and_torch_take_the_same_nesterov_step() -> None:
+    """The C step (one pass, threaded) and torch's six operations: the same bits, with and
+    without momentum, on -0.0, zeros, subnormals and large values."""
+    if not native.available():
+        pytest.skip("no C compiler: the kernel is not built here")
+    params = random_model(SEED)
+    generator = torch.Generator().manual_seed(SEED + 2)
+    gradient = {name: torch.randn(p.shape, generator=generator) for name, p in params.items()}
+    special = torch.tensor([-0.0, 0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0])
+    gradient["embed.weight"].view(-1)[: special.numel()] = special
+    params["embed.weight"].view(-1)[: special.numel()] = special.flip(0)
+    optimizer = OuterNesterov(lr=0.7, momentum=0.9)
+    loader = native.installed_loader()
+    try:
+        stepped = {"kernel": optimizer.step(params, gradient)}
+        again = {
+            "kernel": optimizer.step(stepped["kernel"].params, gradient, stepped["kernel"].state)
+        }
+        native.install_kernel(None)
+        stepped["torch"] = optimizer.step(params, gradient)
+        again["torch"] = optimizer.step(stepped["torch"].params, gradient, stepped["torch"].state)
+    finally:
+        native.install_kernel(loader)
+    for name in params:
+        for outcome in (stepped, again):
+            kernel, torch_step = outcome["kernel"], outcome["torch"]
+            assert torch.equal(
+                kernel.params[name].view(torch.int32), torch_step.params[name].view(torch.int32)
+            ), f"seed {SEED}: {name}"
+            key = MOMENTUM_PREFIX + name
+            assert torch.equal(
+                kernel.state[key].view(torch.int32), torch_step.state[key].view(torch.int32)
+            ), f"seed {SEED}: {key}"

@@ -37,6 +37,7 @@ __all__ = [
     "dequantise_int8",
     "install_kernel",
     "installed_loader",
+    "nesterov",
     "stream_pass",
     "tried",
 ]
@@ -63,6 +64,7 @@ def install_kernel(loader: KernelLoader | None) -> None:
     _loader = loader
     _function.cache_clear()
     _dequantise.cache_clear()
+    _nesterov.cache_clear()
 
 
 def installed_loader() -> KernelLoader | None:
@@ -137,6 +139,72 @@ def _dequantise() -> Any | None:
         ctypes.c_void_p,  # out
     ]
     return function
+
+
+@functools.cache
+def _nesterov() -> Any | None:
+    library = None if _loader is None else _loader()
+    if library is None:
+        return None
+    function = library.p2p_nesterov
+    function.restype = None
+    function.argtypes = [
+        ctypes.c_void_p,  # theta
+        ctypes.c_void_p,  # g
+        ctypes.c_void_p,  # old
+        ctypes.c_int64,  # n
+        ctypes.c_float,  # mu
+        ctypes.c_float,  # lr
+        ctypes.c_void_p,  # new_theta
+        ctypes.c_void_p,  # new_buf
+    ]
+    return function
+
+
+#: Values per task of a threaded outer step.
+_STEP_TASK = 1 << 18
+
+
+def nesterov(
+    theta: torch.Tensor,
+    g: torch.Tensor,
+    old: torch.Tensor | None,
+    *,
+    mu: float,
+    lr: float,
+    new_theta: torch.Tensor,
+    new_buf: torch.Tensor,
+) -> bool:
+    """One Nesterov outer step of flat tensors by the kernel (``mu`` and ``lr`` already
+    float32 values), the bits of ``outer.OuterNesterov``; on as many threads as torch may
+    use. False, touching nothing, when the kernel is unavailable or a tensor does not fit."""
+    function = _function() and _nesterov()
+    if function is None:
+        return False
+    tensors = [theta, g, new_theta, new_buf] + ([] if old is None else [old])
+    n = theta.numel()
+    if any(not _usable(t) or t.dim() != 1 or t.numel() != n for t in tensors):
+        return False
+
+    def run(first: int) -> None:
+        last = min(first + _STEP_TASK, n)
+
+        def at(t: torch.Tensor) -> int:
+            return int(t.data_ptr()) + 4 * first
+
+        function(
+            at(theta), at(g), None if old is None else at(old), last - first, mu, lr,
+            at(new_theta), at(new_buf),
+        )  # fmt: skip
+
+    threads = max(1, torch.get_num_threads())
+    starts = range(0, n, _STEP_TASK)
+    if threads == 1 or len(starts) == 1:
+        for first in starts:
+            run(first)
+    else:
+        list(_pool(threads).map(run, starts))
+    return True
 
 
 def dequantise_int8(

@@ -367,6 +367,22 @@ int p2p_dequantise_int8(const int8_t *q, const float *scale, int64_t n, int64_t 
     return dequantise(q, scale, n, block_size, lead, out);
 }
 
+/* Nesterov momentum (aggregate/outer.py's OuterNesterov, the same float32 operations in the
+ * same order, each one rounding): buf = mu * old + g (old NULL: zeros, buf = 0 + g);
+ * step = lr * (g + mu * buf); new_theta = theta - step; new_buf = buf. */
+MULTIVERSION
+void p2p_nesterov(const float *theta, const float *g, const float *old, int64_t n, float mu,
+                  float lr, float *new_theta, float *new_buf) {
+    for (int64_t j = 0; j < n; j++) {
+        const float kept = old == NULL ? 0.0f : old[j] * mu;
+        const float buf = kept + g[j];
+        const float ahead = buf * mu;
+        const float step = (g[j] + ahead) * lr;
+        new_theta[j] = theta[j] - step;
+        new_buf[j] = buf;
+    }
+}
+
 /* The SHA-256 of this file's bytes, set by the build that compiled it into the package
  * (setup.py): a loader refuses a library built from another version of the source. */
 #ifndef P2P_SOURCE_HASH
