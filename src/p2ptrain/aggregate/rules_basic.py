@@ -229,10 +229,10 @@ class NativeCombiner(Protocol):
         ...
 
 
-def windows(length: int, span: int) -> Iterator[tuple[int, int]]:
-    """``(first, last)`` of each :data:`WINDOW` of a pass over ``length`` values (whole
-    spans of ``span`` values, which divides the window)."""
-    step = max(WINDOW, span)
+def windows(length: int, span: int, window: int = WINDOW) -> Iterator[tuple[int, int]]:
+    """``(first, last)`` of each ``window`` of a pass over ``length`` values (whole spans
+    of ``span`` values, which divides the window)."""
+    step = max(window, span)
     for first in range(0, length, step):
         yield first, min(first + step, length)
 

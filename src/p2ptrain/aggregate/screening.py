@@ -21,9 +21,10 @@ import torch
 
 from p2ptrain.aggregate import native
 from p2ptrain.aggregate.cohort import Contribution, Failure, FlatVector
-from p2ptrain.aggregate.exact import all_finite, flatten
+from p2ptrain.aggregate.exact import CHUNK, all_finite, flatten
 from p2ptrain.aggregate.rules_basic import (
     NETWORK_MAX_UPDATES,
+    WINDOW,
     RowSums,
     TrimmedSpans,
     Workspace,
@@ -174,6 +175,11 @@ class FirstPass:
     dropped: tuple[int, ...] = ()
 
 
+#: Values per window of a first pass whose int8 updates the kernel decodes: a window's
+#: centre (float32) and, for each update, its mapped codes (bytes) are held at a time.
+CODES_WINDOW = 16 * CHUNK
+
+
 def _int8_rows(vectors: Sequence[FlatVector]) -> native.Int8Rows | None:
     """The vectors as int8 codes for the kernel to decode, when every one is an int8
     update in memory (or a mapped file) with the same parameters."""
@@ -223,11 +229,13 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
     if trim is not None:
         distances = RowSums(n + 1, length, n + 1, workspace, key="row_sums.distances")
         mean = torch.empty(length, dtype=torch.float32)
-    width = min(length, max(sums.span, next(windows(length, sums.span))[1]))
-    centre = torch.empty(width, dtype=torch.float32)
-    # int8 updates seen whole in memory are decoded inside the kernel, a slice at a time
+    # int8 updates seen whole in memory are decoded inside the kernel, a slice at a time,
+    # in longer windows (nothing is decoded into them)
     codes = _int8_rows(vectors)
-    for first, last in windows(length, sums.span):
+    size = WINDOW if codes is None else CODES_WINDOW
+    width = min(length, max(sums.span, next(windows(length, sums.span, size))[1]))
+    centre = torch.empty(width, dtype=torch.float32)
+    for first, last in windows(length, sums.span, size):
         spans: list[torch.Tensor | None] = [None] * n
         if codes is None:
             spans = []

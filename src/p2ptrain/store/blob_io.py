@@ -6,6 +6,7 @@ on a second thread while this one writes or reads (hashlib and file I/O release 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
@@ -119,6 +120,14 @@ class FileMapping:
         if self._mapped is None:
             self._mapped = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
         return memoryview(self._mapped)
+
+    def close(self) -> None:
+        """Unmap the file, unless a view of :meth:`memory` is still held (then it goes with
+        the last of them)."""
+        if self._mapped is not None:
+            with contextlib.suppress(BufferError):
+                self._mapped.close()
+            self._mapped = None
 
     def forget(self, offset: int, length: int) -> None:
         """Let go of the pages of bytes ``offset .. offset + length`` (they stay in the page

@@ -43,10 +43,11 @@ def _discard(fd: int, path: list[str | None]) -> None:
 
 class _Hasher:
     """Hashes the ranges a writer wrote, in order, on a thread of its own (reading them
-    back from the page cache), so the id is ready soon after the last write."""
+    from the page cache through a mapping of the file: no copy, and each range's pages let
+    go once hashed), so the id is ready soon after the last write."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd, self._digest = fd, hashlib.sha256()
+    def __init__(self, fd: int, size: int) -> None:
+        self._mapping, self._digest = FileMapping(fd, size), hashlib.sha256()
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="p2ptrain-spool-hash", daemon=True)
         self._failure: OSError | None = None
@@ -58,6 +59,7 @@ class _Hasher:
     def hexdigest(self) -> str:
         self._ranges.put(None)
         self._thread.join()
+        self._mapping.close()
         if self._failure is not None:
             raise self._failure
         return self._digest.hexdigest()
@@ -68,11 +70,16 @@ class _Hasher:
                 continue
             offset, length = item
             try:
-                for start in range(offset, offset + length, _HASH_READ):
-                    size = min(_HASH_READ, offset + length - start)
-                    self._digest.update(_pread_exactly(self._fd, size, start))
-            except OSError as exc:
-                self._failure = exc
+                memory = self._mapping.memory()
+                if memory is None:
+                    continue  # an empty file
+                with memory:
+                    for start in range(offset, offset + length, _HASH_READ):
+                        size = min(_HASH_READ, offset + length - start)
+                        self._digest.update(memory[start : start + size])
+                        self._mapping.forget(start, size)
+            except (OSError, ValueError) as exc:
+                self._failure = OSError(f"a spooled file could not be hashed: {exc}")
 
 
 def _pread_exactly(fd: int, length: int, offset: int) -> bytes:
@@ -176,7 +183,7 @@ class _FileSink:
             view, offset = view[written:], offset + written
         if start == self._written >= 0:
             if self._hasher is None and start == 0:
-                self._hasher = _Hasher(self._fd)
+                self._hasher = _Hasher(self._fd, self._size)
             if self._hasher is not None:
                 self._hasher.add(start, length)
             self._written += length
