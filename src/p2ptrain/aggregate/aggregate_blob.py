@@ -64,6 +64,7 @@ __all__ = [
     "decode_aggregate",
     "encode_aggregate",
     "settle_aggregate",
+    "settles_unchanged",
 ]
 
 AGGREGATE_FORMAT: Final = "p2ptrain-aggregate/1"
@@ -134,6 +135,12 @@ def encode_aggregate(
 def _tagged() -> dict[str, torch.Tensor]:
     """A container holding only the format tag."""
     return {_TAG: torch.tensor(list(_TAG_BYTES), dtype=torch.uint8)}
+
+
+def settles_unchanged(precision: str) -> bool:
+    """Whether :func:`settle_aggregate` at ``precision`` gives back the tensors' own values
+    (``fp32`` with a spool): an outer step may then apply them while the blob is written."""
+    return precision == "fp32"
 
 
 def settle_aggregate(

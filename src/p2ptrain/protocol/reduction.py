@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2ptrain.aggregate.aggregate_blob import settle_aggregate
+from p2ptrain.aggregate.aggregate_blob import settle_aggregate, settles_unchanged
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
@@ -269,6 +269,11 @@ def belongs_to_window(
 
 
 @functools.cache
+def _settlers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2ptrain-settle")
+
+
+@functools.cache
 def _hashers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=3, thread_name_prefix="p2ptrain-hash")
 
@@ -452,15 +457,25 @@ def reduce_window(
     if result.aggregate is None:
         return without_head(f"aggregation produced nothing: {result.reason}")
     rule_reason = result.reason
-    pseudo_gradient, aggregate_blob = settle_aggregate(
-        unflatten(result.aggregate, base.weights, copy=False),
-        manifest.aggregation.precision,
-        spool,
-        in_place=True,  # the rule's vector is ours: rounded where it lies
-    )
+    aggregate = unflatten(result.aggregate, base.weights, copy=False)
+    precision = manifest.aggregation.precision
     del result, outcome  # in memory, the aggregate's values are in its blob now
-    step = outer_step(manifest, base, pseudo_gradient, spool)
-    del pseudo_gradient
+    if spool is not None and settles_unchanged(precision):
+        # the outer step applies the aggregate's own values: its blob is written (and
+        # hashed) on another thread meanwhile
+        settling = _settlers().submit(settle_aggregate, aggregate, precision, spool)
+        try:
+            step = outer_step(manifest, base, aggregate, spool)
+        finally:
+            _, aggregate_blob = settling.result()
+    else:
+        # the rule's vector is ours: rounded where it lies
+        pseudo_gradient, aggregate_blob = settle_aggregate(
+            aggregate, precision, spool, in_place=True
+        )
+        step = outer_step(manifest, base, pseudo_gradient, spool)
+        del pseudo_gradient
+    del aggregate
     standings = next_standings(
         base.head.quarantine,
         window,
