@@ -92,7 +92,10 @@ class RowSums:
     the order of ``exact._reduce`` (a pairwise tree over each zero-padded :data:`CHUNK`
     block, then one over the block sums), so a row of squared differences sums to the same
     bits as ``sqdist64``. The caller fills up to ``batch_rows`` rows at a time with the terms
-    of one span (:meth:`terms`) and hands them back (:meth:`collect`).
+    of one span (:meth:`terms`) and hands them back (:meth:`collect`). Each block's tree is
+    halved to ``tail`` values (a power of two) as it is filled, the rest at the end: the
+    same pairs in the same order, whatever the tail (the C kernel halves cheaply, so a pass
+    that is the kernel's alone keeps 1).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class RowSums:
         workspace: Workspace,
         *,
         key: str = "row_sums",
+        tail: int = TAIL,
     ) -> None:
         self.length = length
         self.width = CHUNK if length > CHUNK else pow2_at_least(length)
@@ -110,7 +114,7 @@ class RowSums:
         blocks = pow2_at_least(max(1, -(-length // CHUNK)))
         # Keep the stored partial sums bounded when there are many rows (Krum's pairs).
         affordable = max(1, PARTIAL_BUDGET // max(1, rows * blocks))
-        self.tail = min(TAIL, self.width, 1 << (affordable.bit_length() - 1))
+        self.tail = min(tail, self.width, 1 << (affordable.bit_length() - 1))
         partial = workspace.get(f"{key}.partial", rows * blocks * self.tail, torch.float64)
         self._partial = partial.view(rows, blocks, self.tail).zero_()
         self._batch_rows, self._workspace, self._key = batch_rows, workspace, key

@@ -217,8 +217,9 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
     if n > NETWORK_MAX_UPDATES or not native.available():
         return None
     workspace = Workspace()
-    sums = RowSums(n + 1, length, n + 1, workspace)
-    squares = RowSums(n + 1, length, n + 1, workspace, key="row_sums.squares")
+    # the kernel's pass alone: each block's trees halved to one value there
+    sums = RowSums(n + 1, length, n + 1, workspace, tail=1)
+    squares = RowSums(n + 1, length, n + 1, workspace, key="row_sums.squares", tail=1)
     median = (n - 1) // 2
     # a network that decides the ranks of the trimmed mean decides the median's too
     low = median if trim is None else trim
@@ -227,7 +228,7 @@ def measure_with_centre(vectors: Sequence[FlatVector], trim: int | None = None) 
     distances: RowSums | None = None
     mean: torch.Tensor | None = None
     if trim is not None:
-        distances = RowSums(n + 1, length, n + 1, workspace, key="row_sums.distances")
+        distances = RowSums(n + 1, length, n + 1, workspace, key="row_sums.distances", tail=1)
         mean = torch.empty(length, dtype=torch.float32)
     # int8 updates seen whole in memory are decoded inside the kernel, a slice at a time,
     # in longer windows (nothing is decoded into them)
