@@ -124,6 +124,18 @@ CASES: list[Any] = [
         _all_accepted,
         id="reducer-and-validators-partitioned-then-synced",
     ),
+    *(
+        # q = n = 2 validators, no reducer: one validator and one trainer are cut off until
+        # after both proposer slots, so each proposes (and prevotes) its own cohort; the next
+        # voting round settles on the earliest proposal (one vote per height stalled here)
+        pytest.param(
+            _base(35, validators=2, reducers=0, partitions=(Partitioned(0.0, 21.0, (cut, "t9")),)),
+            3,
+            _no_check,
+            id=f"split-first-votes-{cut}-cut-off",
+        )
+        for cut in ("v0", "v1")
+    ),
     pytest.param(
         _base(28, slow=(SlowLink("t1", 20_000.0, 0.5),)), 3, _no_check, id="slow-trainer-link"
     ),

@@ -113,6 +113,8 @@ def certify(head: Head, signers: Sequence[Identity]) -> QuorumCertificate:
                 height=head.height,
                 head_id=head.id,
                 validator=v.public_key,
+                round=0,
+                stage="commit",
             ),
         )
         for v in signers

@@ -122,6 +122,8 @@ class Child:
                         height=1 + i,
                         head_id=head.hexdigest(),
                         validator=self.me.public_key,
+                        round=0,
+                        stage="commit",
                     ),
                 )
                 self.node.publish(TOPIC, "attestation", signed.envelope.encode())

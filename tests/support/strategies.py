@@ -259,6 +259,8 @@ def attestations(draw: st.DrawFn, validator: bytes | None = None) -> Attestation
         height=draw(st.integers(1, 2**40)),
         head_id=draw(hex_ids),
         validator=validator if validator is not None else draw(keys),
+        round=draw(st.integers(0, 1 << 20)),
+        stage=draw(st.sampled_from(["prevote", "commit"])),
     )
 
 
@@ -269,6 +271,7 @@ def certificates(draw: st.DrawFn) -> QuorumCertificate:
         experiment_id=draw(hex_ids),
         height=draw(st.integers(1, 2**40)),
         head_id=draw(hex_ids),
+        round=draw(st.integers(0, 1 << 20)),
         signatures=tuple(
             ValidatorSignature(validator=k, signature=draw(st.binary(min_size=64, max_size=64)))
             for k in signers

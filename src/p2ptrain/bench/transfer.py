@@ -488,6 +488,8 @@ async def _gossip_nodes(spec: dict[str, Any]) -> None:
                     height=command["height"],
                     head_id=hashlib.sha256(str(command["height"]).encode()).hexdigest(),
                     validator=node.identity.public_key,
+                    round=0,
+                    stage="commit",
                 )
                 data = seal(node.identity, record).envelope.encode()
                 sent = time.time()

@@ -1,6 +1,7 @@
-"""Quorum certificates: >= q attestations from distinct manifest validators over one head.
+"""Quorum certificates: >= q commits from distinct manifest validators over one head, all
+in one voting round.
 
-A certificate holds the validators' raw signatures over the attestation records they signed,
+A certificate holds the validators' raw signatures over the commit attestations they signed,
 so anyone with the experiment manifest can check it without trusting whoever relayed it.
 """
 
@@ -15,7 +16,7 @@ from p2ptrain.core.encoding import encode, record_id
 from p2ptrain.core.envelope import Signed, signing_message
 from p2ptrain.core.identity import peer_id_of, verify_signature
 from p2ptrain.core.manifests import MAX_VALIDATORS, ExperimentManifest
-from p2ptrain.core.records import Attestation, Head
+from p2ptrain.core.records import MAX_ROUND, Attestation, Head
 from p2ptrain.errors import InvalidRecord, LocalError
 
 
@@ -35,16 +36,18 @@ class ValidatorSignature(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
 
 class QuorumCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Signatures of validators over the attestation (experiment, height, head id)."""
+    """Signatures of validators over the commit (experiment, height, head id, round)."""
 
     experiment_id: str
     height: int
     head_id: str
+    round: int
     signatures: tuple[ValidatorSignature, ...]
 
     def __post_init__(self) -> None:
         rules.check_hex_id("experiment_id", self.experiment_id)
         rules.check_int("height", self.height, 1)
+        rules.check_int("round", self.round, 0, MAX_ROUND)
         rules.check_hex_id("head_id", self.head_id)
         rules.check_count("signatures", self.signatures, 1, MAX_VALIDATORS)
         keys = [s.validator for s in self.signatures]
@@ -56,12 +59,14 @@ class QuorumCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         return record_id(self)
 
     def attestation_for(self, validator: bytes) -> Attestation:
-        """The attestation record a validator signs to be counted in this certificate."""
+        """The commit a validator signs to be counted in this certificate."""
         return Attestation(
             experiment_id=self.experiment_id,
             height=self.height,
             head_id=self.head_id,
             validator=validator,
+            round=self.round,
+            stage="commit",
         )
 
     def verify(self, manifest: ExperimentManifest) -> Verdict:
@@ -90,25 +95,32 @@ class QuorumCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
     @classmethod
     def assemble(cls, attestations: Iterable[Signed[Attestation]]) -> QuorumCertificate:
-        """Build a certificate from verified attestations of one head (one per validator)."""
+        """Build a certificate from verified commits of one head in one round (one per
+        validator)."""
         by_validator: dict[bytes, Signed[Attestation]] = {}
         for signed in attestations:
             by_validator.setdefault(signed.record.validator, signed)
         if not by_validator:
             raise LocalError("cannot assemble a quorum certificate from no attestations")
         targets = {
-            (s.record.experiment_id, s.record.height, s.record.head_id)
+            (s.record.experiment_id, s.record.height, s.record.head_id, s.record.round)
             for s in by_validator.values()
         }
         if len(targets) != 1:
-            raise LocalError("attestations to assemble must all be for the same head")
-        experiment_id, height, head_id = targets.pop()
+            raise LocalError("attestations to assemble must all be for the same head and round")
+        if any(s.record.stage != "commit" for s in by_validator.values()):
+            raise LocalError("a certificate is assembled from commits, not prevotes")
+        experiment_id, height, head_id, round_ = targets.pop()
         signatures = tuple(
             ValidatorSignature(validator=key, signature=by_validator[key].envelope.signature)
             for key in sorted(by_validator)
         )
         return cls(
-            experiment_id=experiment_id, height=height, head_id=head_id, signatures=signatures
+            experiment_id=experiment_id,
+            height=height,
+            head_id=head_id,
+            round=round_,
+            signatures=signatures,
         )
 
 

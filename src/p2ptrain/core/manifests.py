@@ -18,13 +18,14 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: What each protocol version changed (said when a peer or a data directory speaks another).
 VERSION_CHANGES = {
     2: "leases changed",
     3: "heads name their aggregate",
     4: "inner learning-rate schedules, rounded aggregates, int4 and int2 codecs",
     5: "rejection and quarantine reasons are codes, not English",
+    6: "validators vote in rounds (prevote, then commit); certificates name their round",
 }
 
 ADMISSION_POLICIES = ("open", "certificate")

@@ -225,19 +225,32 @@ class Proposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return record_id(self)
 
 
+#: A validator's two votes in a round of a height: it *prevotes* the head it judged (or the
+#: one it is locked on), and *commits* a head once q validators prevoted it in that round; q
+#: commits of one round are a certificate (DESIGN §4 step 7, docs/protocol.md §6).
+VOTE_STAGES = ("prevote", "commit")
+#: The highest voting round a height may reach (rounds last a pass of the proposers' slots).
+MAX_ROUND = 1 << 20
+
+
 class Attestation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A validator's statement that it computed exactly this head for this height."""
+    """A validator's vote for a head at a height, in one round and stage: it computed exactly
+    this head (``prevote``), or it saw q prevotes for it in this round (``commit``)."""
 
     experiment_id: str
     height: int
     head_id: str
     validator: bytes
+    round: int
+    stage: str
 
     def __post_init__(self) -> None:
         rules.check_hex_id("experiment_id", self.experiment_id)
         rules.check_int("height", self.height, 1)
         rules.check_hex_id("head_id", self.head_id)
         rules.check_public_key("validator", self.validator)
+        rules.check_int("round", self.round, 0, MAX_ROUND)
+        rules.check_choice("stage", self.stage, VOTE_STAGES)
 
 
 class AdmissionCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

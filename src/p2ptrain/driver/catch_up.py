@@ -86,12 +86,14 @@ async def fetch_chain(
 
 
 async def sync_window(
-    services: PeerServices, window: int, held: frozenset[str]
+    services: PeerServices, window: int, held: frozenset[str], first: Sequence[str] = ()
 ) -> list[Signed[Any]]:
     """Anti-entropy: ask a few peers which updates and proposals of ``window`` they keep
     and fetch the ones not in ``held`` from whoever named them. Each record is verified
-    (signature, its id) and judged by the node's intake rules, like gossip."""
-    peers = services.providers()[:_SYNC_PEERS]
+    (signature, its id) and judged by the node's intake rules, like gossip. The peers
+    ``first`` (proposers whose proposal we lack) are asked as well as the few others."""
+    asked = [a for p in first if (a := services.net.address_of(p)) is not None]
+    peers = list(dict.fromkeys(asked + services.providers()[:_SYNC_PEERS]))
 
     async def holdings(address: str) -> list[tuple[str, str, str]]:
         try:

@@ -66,7 +66,7 @@ async def _aggregate(
 async def _window_records(
     services: PeerServices, height: Height, request: WindowSync
 ) -> list[Signed[Any]]:
-    return await sync_window(services, request.window, request.held)
+    return await sync_window(services, request.window, request.held, request.first)
 
 
 async def _chain_page(services: PeerServices, height: Height, request: ChainFetch) -> ChainPage:

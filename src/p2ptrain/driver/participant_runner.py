@@ -80,5 +80,7 @@ class ParticipantRunner(RoleRunner):
                     peer_id=self.services.peer_id,
                     height=record.height,
                     head_id=record.head_id,
+                    round=record.round,
+                    stage=record.stage,
                 )
             )

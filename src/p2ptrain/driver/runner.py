@@ -278,7 +278,7 @@ class RoleRunner:
             StoreBlob: self._store_blob,
             KeepState: self._keep_state,
             StoreRecord: lambda e: services.remember(e.signed, e.kind, e.window),
-            StoreVote: lambda e: services.store.put_vote(e.height, e.head_id),
+            StoreVote: lambda e: services.store.put_vote(e.height, e.ballot),
             Fetch: lambda e: self.spawn(self._fetch(e), FETCHING[type(e.request)]),
             act.Adopted: lambda e: services.on_adopted(self.machine, e),
             act.Reported: lambda e: services.report(e.peer_id, e.reason),

@@ -28,6 +28,7 @@ from p2ptrain.core.certificate import CertifiedLink, QuorumCertificate
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head
 from p2ptrain.core.spool import SpooledBlob
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.reduction import ByteSource
 
 __all__ = [
@@ -122,7 +123,7 @@ class Keep(Protocol):
 
     @property
     def blobs(self) -> BlobKeep: ...
-    def put_vote(self, height: int, head_id: str) -> None: ...
+    def put_vote(self, height: int, ballot: Ballot) -> None: ...
     def put_signed(
         self, record_id: str, kind: str, envelope: bytes, experiment_id: str, height: int
     ) -> None: ...

@@ -6,8 +6,8 @@
   the certificate id, indexed in ``certified_heads``), and the head's weights and optimizer
   blobs in the blob store -- on restart the links are verified again from genesis
   (``HeadChain.catch_up``) before the tip's weights are used;
-* a validator's votes (``meta['votes']``): it never attests two heads at one height, not
-  even across a crash;
+* a validator's votes (``meta['votes']``, a :class:`Ballot` per height): it never votes
+  twice in one round, not even across a crash, and keeps its lock;
 * signed updates and proposals it saw (records), which peers ask for by id;
 * the signed metrics reports of certified heads (records ``metrics``, indexed by height and
   evaluator; at most one per evaluator and head, at most 64 evaluators per head, kept as
@@ -36,6 +36,7 @@ from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.records import Head, MetricsReport
 from p2ptrain.core.tensors import decode_state_dict
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.metrics import median
 from p2ptrain.store.atomic import replace_atomically
 from p2ptrain.store.datadir import DataDir
@@ -119,17 +120,23 @@ class NodeStore:
 
     # -- votes ----------------------------------------------------------------------------
 
-    def votes(self) -> dict[int, str]:
+    def votes(self) -> dict[int, Ballot]:
+        """What this validator voted at its last heights (:class:`Ballot` by height)."""
         raw = self.state.get_meta(_VOTES)
         if raw is None:
             return {}
-        return {int(height): str(head) for height, head in json.loads(raw).items()}
+        where = f"{self.datadir.path}: votes"
+        return {
+            int(height): Ballot.from_json(text, f"{where} at height {height}")
+            for height, text in json.loads(raw).items()
+        }
 
-    def put_vote(self, height: int, head_id: str) -> None:
+    def put_vote(self, height: int, ballot: Ballot) -> None:
         votes = self.votes()
-        votes[height] = head_id
+        votes[height] = ballot
         kept = dict(sorted(votes.items())[-_KEEP_VOTES:])
-        self.state.set_meta(_VOTES, json.dumps({str(h): v for h, v in kept.items()}).encode())
+        text = json.dumps({str(h): b.to_json() for h, b in kept.items()})
+        self.state.set_meta(_VOTES, text.encode())
 
     # -- records --------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def role_runners(
             timer=time.perf_counter,  # each reduction's wall seconds, for the status
             spool=FileSpool(store.blobs.spool_directory),  # heads' blobs: files, not memory
         )
-        participant.votes.update(store.votes())
+        participant.restore_votes(store.votes(), time.monotonic())
         runners.append(ParticipantRunner(participant, services, failures, emit))
     if "trainer" in chosen:
         if workload is None:

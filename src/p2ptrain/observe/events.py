@@ -113,10 +113,13 @@ class Published(_Event, tag="published", frozen=True):
 
 
 class Attested(_Event, tag="attested", frozen=True):
-    """This validator signed the head ``head_id`` at ``height``."""
+    """This validator voted for the head ``head_id`` at ``height``: its ``prevote`` or
+    ``commit`` in voting round ``round``."""
 
     height: int
     head_id: str
+    round: int
+    stage: str
 
 
 class Evaluated(_Event, tag="evaluated", frozen=True):

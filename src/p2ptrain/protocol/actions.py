@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Attestation, Head, Proposal, Update
+from p2ptrain.protocol.ballot import Ballot
 
 __all__ = [
     "Action",
@@ -44,9 +45,11 @@ class SendUpdate:
 class SyncWindow:
     """The open window ``window`` is past its deadline without a certificate: ask peers
     which of its updates and proposals they hold (ids only) and fetch the ones we lack
-    (anti-entropy: a message lost to a crash or a partition is repaired)."""
+    (anti-entropy: a message lost to a crash or a partition is repaired); ``proposers``:
+    those whose slot passed and whose proposal we lack, asked first."""
 
     window: int
+    proposers: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +62,12 @@ class SendProposal:
 @dataclass(frozen=True, slots=True)
 class SendAttestation:
     """An attestation for the validators and reducers (whoever gathers q assembles);
-    ``again``: our vote, sent once more because no certificate came of it."""
+    ``ballot``: our own new vote's ballot, to store before it goes out; ``again``: our vote,
+    sent once more because no certificate came of it."""
 
     attestation: Signed[Attestation]
     again: bool = False
+    ballot: Ballot | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from p2ptrain.core.envelope import Signed
 from p2ptrain.core.records import Head, Update
 from p2ptrain.core.spool import Blob
 from p2ptrain.protocol.actions import Adopted, Notice, Reported, Train
+from p2ptrain.protocol.ballot import Ballot
 
 __all__ = [
     "AggregateFetch",
@@ -80,10 +81,11 @@ class StoreRecord:
 
 @dataclass(frozen=True, slots=True)
 class StoreVote:
-    """Persist the one head this validator attests at ``height`` (before it says so)."""
+    """Persist what this validator voted at ``height`` (before it says so): it never votes
+    twice in one round, not even across a crash."""
 
     height: int
-    head_id: str
+    ballot: Ballot
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +140,12 @@ class ChainFetch:
 @dataclass(frozen=True, slots=True)
 class WindowSync:
     """Ask peers which updates and proposals of ``window`` they hold (ids), and fetch the
-    records we do not (``held``); the answer is the verified records that passed intake."""
+    records we do not (``held``); the answer is the verified records that passed intake.
+    ``first``: peer ids asked before the others (proposers whose proposal we lack)."""
 
     window: int
     held: frozenset[str]
+    first: tuple[str, ...] = ()
 
 
 Request = BlobFetch | RecordFetch | StateFetch | AggregateFetch | ChainFetch | WindowSync

@@ -101,7 +101,8 @@ PHASES: dict[Phase, str] = {
     "in slot order and ours is made in our slot",
     Phase.PROPOSED: "a reducer proposed its head: it waits for the certificate (and still "
     "judges the slots before its own)",
-    Phase.ATTESTED: "a validator attested a head at this height (never another one)",
+    Phase.ATTESTED: "a validator voted at this height: it votes on, round after round "
+    "(`ballot.py`), until a head is certified",
     Phase.CERTIFIED: "a certified head at this height was adopted: the next window opens",
 }
 
@@ -126,7 +127,7 @@ EVENTS: dict[Event, str] = {
     Event.VALID: "walk: its proposal is what we recomputed",
     Event.PROPOSED: "our reduction made a head and we proposed it",
     Event.NO_HEAD: "our reduction made no head (too few updates passed)",
-    Event.VOTED: "we attested at this height before (a restart after the vote)",
+    Event.VOTED: "we voted at this height before (a restart after the vote)",
     Event.ADOPTED: "the node adopted a certified head at this height",
 }
 
@@ -138,9 +139,9 @@ EFFECTS: dict[Effect, str] = {
     Effect.RESTART: "a full new deadline from now (the slots start over)",
     Effect.WALK: "walk the proposers whose slot opened, in slot order (once per input)",
     Effect.SYNC: "ask peers what the window holds (`SyncWindow`)",
-    Effect.RESEND: "send our attestation again",
+    Effect.RESEND: "send our votes of the round again",
     Effect.PROPOSE: "reduce our cohort and propose its head (then `proposed` or `no_head`)",
-    Effect.VOTE: "attest the head",
+    Effect.VOTE: "prevote the head (our first vote at this height)",
     Effect.SKIP: "the next proposer's slot counts as open",
     Effect.STOP: "the walk ends here",
     Effect.NEXT: "the next window opens on the adopted head",
@@ -201,6 +202,7 @@ _VALIDATOR: dict[tuple[Phase, Event], Transition] = {
     (_P.CLOSED, _E.NO_HEAD): _to(_P.CLOSED),
     (_P.CLOSED, _E.VALID): _to(_P.ATTESTED, _X.VOTE),
     (_P.ATTESTED, _E.ORDER_OVER): _to(_P.ATTESTED, _X.RESEND),
+    (_P.ATTESTED, _E.SYNC_DUE): _to(_P.ATTESTED, _X.SYNC),
 }
 
 #: The phases in which the slots are walked (a reducer that proposed still judges the slots

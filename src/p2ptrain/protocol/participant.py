@@ -11,11 +11,17 @@ and after the deadline walks the proposer slots (:mod:`.proposers`):
   before the deadline -- and proposes the head (a validator also attests its own proposal);
 * a validator judges each proposal from a proposer whose slot has opened by recomputing the
   proposal's cohort itself (fetching updates it lacks from the proposer); it attests the
-  first whose head, accepted and rejected sets and aggregate all match, and never attests
-  two heads at one height; a proposer caught with a wrong head is reported and, if a
-  reducer, dropped from the pool;
+  first whose head, accepted and rejected sets and aggregate all match (its *prevote*, in the
+  round the clock says); a proposer caught with a wrong head is reported and, if a reducer,
+  dropped from the pool;
+* a validator votes in rounds (:mod:`.ballot`): once q validators prevoted one head in its
+  round it commits that head and locks on it; q commits of one round are the certificate.
+  Each pass of the proposers' slots is a round, and a validator follows others into a later
+  round once more than ``n - q`` of them voted there. In a new round it prevotes its lock,
+  or, unlocked, the head q validators prevoted in that round or the earliest valid proposal
+  it holds (proposals it could not check are judged again): a split vote ends;
 * when the slots run out without a certificate they start over: a validator that voted
-  sends its attestation again (lost messages), one that did not judges again;
+  sends its votes of the round again (lost messages), one that did not judges again;
 * from the end of the first slot on, every ``SYNC_EVERY_SLOTS`` slots, a participant that
   still waits for something (it has not voted; a reducer, has not proposed) asks its peers
   which updates and proposals of the window they hold and fetches what it lacks
@@ -51,6 +57,7 @@ and enter no record, report or hash; the simulator gives no timer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +78,7 @@ from p2ptrain.protocol.actions import (
     SendProposal,
     SyncWindow,
 )
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.follower import ChainRole, Follower, FollowerStatistics
 from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.lifecycle import WALKING, Effect, Event, Phase, Role, transition
@@ -138,6 +146,8 @@ class _Window:
     phase: Phase = Phase.OPEN
     #: The last slot whose opening was taken (-1: none yet, or since a restart).
     slot: int = -1
+    #: Proposers whose proposal named an update nobody delivered (judged again next round).
+    unchecked: set[bytes] = field(default_factory=set)
 
 
 class Participant(ChainRole):
@@ -174,7 +184,7 @@ class Participant(ChainRole):
         self.leases = LeaseBook(manifest)
         self.book = AttestationBook(manifest, self.experiment_id)
         self.dropped: set[bytes] = set()
-        self.votes: dict[int, str] = {}  # height -> the one head id we attested there
+        self.votes: dict[int, Ballot] = {}  # height -> what we voted there, round by round
         self._reductions: dict[frozenset[str], Reduction] = {}
         self._by_head: dict[str, Reduction] = {}
         #: The reduction of the head adopted last, if we computed it (its blobs are kept
@@ -220,8 +230,15 @@ class Participant(ChainRole):
 
     def restart(self, now: float) -> None:
         """After a crash: the chain, weights and votes persisted; the open window's updates
-        and proposals were in memory and are gone, so the window restarts at ``now``."""
+        and proposals were in memory and are gone, so the window restarts at ``now`` (and
+        votes from the round after the stored one)."""
+        self.votes = {height: b.after_restart() for height, b in self.votes.items()}
         self._open(self.base, now)
+
+    def restore_votes(self, stored: Mapping[int, Ballot], now: float) -> None:
+        """The ballots a node stored before it stopped (see :meth:`restart`)."""
+        self.votes.update(stored)
+        self.restart(now)
 
     def on_base(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -256,17 +273,21 @@ class Participant(ChainRole):
                 w.slot = -1
                 self.last_reason = f"window {height}: first update after the deadline"
             elif effect is Effect.SYNC:
-                actions.append(SyncWindow(height))
+                actions.append(SyncWindow(height, self._missing_proposals(now)))
             elif effect is Effect.RESEND:
-                actions.append(
-                    SendAttestation(self._attestation(height, self.votes[height]), again=True)
-                )
+                actions += self._resend(height)
             elif effect is Effect.VOTE:
                 assert head_id is not None
                 actions += self._vote(now, height, head_id)
             elif effect is Effect.NEXT:
                 self._open(self.base, now)
         return step.effects
+
+    def _missing_proposals(self, now: float) -> tuple[bytes, ...]:
+        """The proposers (not us) whose slot opened and whose proposal we do not hold."""
+        w = self._window
+        opened = w.order[: max(0, min(self._slot(now), len(w.order) - 1)) + 1]
+        return tuple(p for p in opened if p != self.key and p not in w.proposals)
 
     def _known_state(self, head_id: str) -> BaseState | None:
         reduction = self._by_head.get(head_id)
@@ -415,6 +436,13 @@ class Participant(ChainRole):
         if not verdict:
             self.late_update(now, signed)
             return []  # stale or replayed: belongs in no cohort, nothing to count
+        return self._then_ballot(now, self._receive_update(now, signed, blob))
+
+    def _receive_update(
+        self, now: float, signed: Signed[Update], blob: bytes | bytearray | ByteSource
+    ) -> list[Action]:
+        w = self._window
+        update_id = signed.record_id
         self.heard_from(signed.record.trainer, now)
         self._deadline(now)
         w.updates[update_id] = Submission(signed.record, update_id, blob)
@@ -436,6 +464,9 @@ class Participant(ChainRole):
         return actions + self._advance(now) if walk else actions
 
     def receive_proposal(self, now: float, signed: Signed[Proposal]) -> list[Action]:
+        return self._then_ballot(now, self._receive_proposal(now, signed))
+
+    def _receive_proposal(self, now: float, signed: Signed[Proposal]) -> list[Action]:
         w = self._window
         proposal = signed.record
         if proposal.window != w.base.window or proposal.base_head != w.base.head_id:
@@ -473,7 +504,8 @@ class Participant(ChainRole):
             if head is not None:
                 actions.append(SendCertificate(head, certificate))
                 actions += self.receive_certificate(now, head, certificate, self.key)
-        return actions
+            return actions
+        return actions + self._ballot(now)
 
     def update_unavailable(self, now: float, update_id: str) -> list[Action]:
         """Nobody could deliver ``update_id`` (every try failed): a proposal that names it
@@ -483,12 +515,13 @@ class Participant(ChainRole):
         for proposer in stuck:
             del w.fetching[proposer]
             w.judged[proposer] = Verdict(False, f"named update {update_id[:12]} nobody delivered")
+            w.unchecked.add(proposer)  # judged again in the next voting round
             self.last_reason = f"proposal of {peer_id_of(proposer)[:12]}: cannot be checked"
         if not stuck:
             return []
         actions: list[Action] = []
         walk = Effect.WALK in self._fire(now, Event.SETTLED, actions)
-        return actions + self._advance(now, walk=walk)
+        return self._then_ballot(now, actions + self._advance(now, walk=walk))
 
     def holds_update(self, update_id: str) -> bool:
         """Whether the open window took update ``update_id`` (it may be named and used)."""
@@ -519,7 +552,7 @@ class Participant(ChainRole):
         if self._all_reported(now):
             walk |= Effect.WALK in self._fire(now, Event.REPORTED, actions)
         walk |= Effect.WALK in self._fire(now, Event.TICK, actions)
-        return actions + self._advance(now, walk=walk)
+        return self._then_ballot(now, actions + self._advance(now, walk=walk))
 
     def _deadline(self, now: float) -> None:
         """An open window whose deadline passed closes (or expires, holding nothing)."""
@@ -683,21 +716,144 @@ class Participant(ChainRole):
         actions.append(SendProposal(signed))
         return Event.PROPOSED, reduction.head_id
 
-    def _attestation(self, height: int, head_id: str) -> Signed[Attestation]:
+    def _attestation(
+        self, height: int, head_id: str, round_: int, stage: str
+    ) -> Signed[Attestation]:
         record = Attestation(
-            experiment_id=self.experiment_id, height=height, head_id=head_id, validator=self.key
+            experiment_id=self.experiment_id,
+            height=height,
+            head_id=head_id,
+            validator=self.key,
+            round=round_,
+            stage=stage,
         )
         return seal(self.identity, record)
 
+    # --- voting rounds (see :mod:`.ballot`) -----------------------------------------------
+
     def _vote(self, now: float, height: int, head_id: str) -> list[Action]:
-        if height in self.votes:
+        """The walk chose ``head_id``: our first prevote at this height (our lock instead,
+        if a restart kept one)."""
+        ballot = self.votes.get(height)
+        if ballot is None:
+            ballot = self.votes[height] = Ballot(round=self._round_due(now, height))
+        if ballot.prevote is not None:
             return []
-        self.votes[height] = head_id
-        signed = self._attestation(height, head_id)
-        return [SendAttestation(signed), *self.receive_attestation(now, signed)]
+        actions: list[Action] = []
+        choice = head_id if ballot.lock is None else self._choice(ballot, actions)
+        if choice is None:
+            return actions
+        return actions + self._cast(now, ballot, "prevote", choice)
+
+    def _then_ballot(self, now: float, actions: list[Action]) -> list[Action]:
+        """``actions``, then what our ballot does after the input that made them."""
+        return actions + self._ballot(now)
+
+    def _ballot(self, now: float) -> list[Action]:
+        """A validator that voted at this height: into the round due (prevoting again), a
+        prevote it still owes, a commit once q prevoted one head in its round."""
+        w = self._window
+        height = w.base.window
+        ballot = self.votes.get(height)
+        if self.role is not Role.VALIDATOR or ballot is None or w.phase is not Phase.ATTESTED:
+            return []
+        actions: list[Action] = []
+        if ballot.enter(self._round_due(now, height)):
+            for proposer in w.unchecked:  # judged again: its updates may arrive now
+                w.judged.pop(proposer, None)
+            w.unchecked.clear()
+            self.last_reason = f"window {height}: voting round {ballot.round}, no certificate yet"
+        if ballot.prevote is None:
+            choice = self._choice(ballot, actions)
+            if choice is not None:
+                actions += self._cast(now, ballot, "prevote", choice)
+                if self._window is not w:  # the cast certified the height: the next window
+                    return actions
+        head = self.book.polka(height, ballot.round)
+        if ballot.commit is None and head is not None and self._checked(head, actions):
+            if ballot.prevote is None:
+                actions += self._cast(now, ballot, "prevote", head)
+            if self._window is w and ballot.commit is None:
+                ballot.lock, ballot.lock_round = head, ballot.round
+                actions += self._cast(now, ballot, "commit", head)
+        return actions
+
+    def _round_due(self, now: float, height: int) -> int:
+        """The round our clock says (a pass of the proposers' slots each), or a later one
+        that more than ``n - q`` validators voted in."""
+        w = self._window
+        slot = self._slot(now)
+        timed = slot // len(w.order) if slot >= 0 and w.order else 0
+        joined = len(self.manifest.validators) - self.manifest.quorum + 1
+        return max(timed, self.book.round_reached(height, joined))
+
+    def _choice(self, ballot: Ballot, actions: list[Action]) -> str | None:
+        """What we prevote in ``ballot``'s round: the lock, unless q validators prevoted
+        another head in a round after it; unlocked, the head q validators prevoted in this
+        round, else the earliest valid proposal held (None: nothing to prevote yet)."""
+        polkas = self.book.polkas(self._window.base.window)
+        lock = ballot.lock
+        if lock is not None:
+            later = [r for r in polkas if ballot.lock_round < r <= ballot.round]
+            unlocked = polkas[max(later)] if later else lock
+            return unlocked if unlocked == lock or self._checked(unlocked, actions) else lock
+        agreed = polkas.get(ballot.round)
+        if agreed is not None and self._checked(agreed, actions):
+            return agreed
+        return self._earliest_valid(actions)
+
+    def _earliest_valid(self, actions: list[Action]) -> str | None:
+        """The head of the first proposal in slot order that we recomputed (None: none, or
+        an earlier one's updates are still on their way)."""
+        w = self._window
+        for proposer in w.order:
+            if proposer not in w.proposals:
+                continue
+            verdict = self._judge(proposer, actions)
+            if verdict is None:
+                return None
+            if verdict.ok:
+                return w.proposals[proposer].record.head.id
+        return None
+
+    def _checked(self, head_id: str, actions: list[Action]) -> bool:
+        """Whether we recomputed ``head_id`` (judging the proposal that holds it if need be;
+        False while its updates are on their way)."""
+        if head_id in self._by_head:
+            return True
+        w = self._window
+        for proposer, signed in list(w.proposals.items()):
+            if signed.record.head.id == head_id:
+                verdict = self._judge(proposer, actions)
+                return verdict is not None and verdict.ok
+        return False
+
+    def _cast(self, now: float, ballot: Ballot, stage: str, head_id: str) -> list[Action]:
+        """Sign and send our ``stage`` vote for ``head_id`` in the ballot's round (stored
+        first: the action carries the ballot), and count it ourselves."""
+        height = self._window.base.window
+        if stage == "prevote":
+            ballot.prevote = head_id
+        else:
+            ballot.commit = head_id
+        signed = self._attestation(height, head_id, ballot.round, stage)
+        stored = dataclasses.replace(ballot)
+        return [SendAttestation(signed, ballot=stored), *self.receive_attestation(now, signed)]
+
+    def _resend(self, height: int) -> list[Action]:
+        """Our votes of the current round, sent again (lost messages)."""
+        ballot = self.votes.get(height)
+        if ballot is None:
+            return []
+        return [
+            SendAttestation(self._attestation(height, head, ballot.round, stage), again=True)
+            for stage, head in (("prevote", ballot.prevote), ("commit", ballot.commit))
+            if head is not None
+        ]
 
     def statistics(self) -> ParticipantStatistics:
         w = self._window
+        ballot = self.votes.get(w.base.window)
         return ParticipantStatistics(
             **self._chain_statistics(),
             window=w.base.window,
@@ -705,7 +861,7 @@ class Participant(ChainRole):
             updates=len(w.updates),
             proposals_judged=self.judged_count,
             proposals_wrong=self.wrong_count,
-            attested=self.votes.get(w.base.window),
+            attested=None if ballot is None else ballot.head,
             dropped_reducers=len(self.dropped),
             equivocations=len(self.book.equivocations),
         )

@@ -421,9 +421,11 @@ class ParticipantPolicy(RolePolicy):
             attestation = action.attestation.record
             if attestation.validator != self.machine.key:
                 return [Publish("attestation", action.attestation)]
-            # the vote is persisted before anyone hears of it: never two heads at a height
+            # the vote is persisted before anyone hears of it: never two heads in a round
+            ballot = action.ballot
+            stored = () if ballot is None else (StoreVote(attestation.height, ballot),)
             return [
-                StoreVote(attestation.height, attestation.head_id),
+                *stored,
                 *self._keep_reduction(attestation.head_id),
                 Publish("attestation", action.attestation, again=action.again),
             ]
@@ -432,7 +434,9 @@ class ParticipantPolicy(RolePolicy):
             # again (whoever missed it catches up; peers that saw it drop it as seen), and
             # we ask whether the chain moved past us
             machine = self.machine
-            effects: list[Effect] = [Fetch(WindowSync(action.window, machine.held_records()))]
+            first = tuple(peer_id_of(key) for key in action.proposers)
+            sync = WindowSync(action.window, machine.held_records(), first)
+            effects: list[Effect] = [Fetch(sync)]
             chain_fetch = self._chain_fetch(now, None, machine.chain.height)
             if chain_fetch is not None:
                 effects.append(chain_fetch)

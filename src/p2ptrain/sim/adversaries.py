@@ -157,8 +157,9 @@ def proposal_to_send(
 def equivocate(
     outbox: Outbox, sender: Sender, honest: Signed[Attestation]
 ) -> list[Signed[Attestation]]:
-    """An equivocating validator also attests a forged head at the same height, and sends
-    a certificate for it when its own signature is a quorum (a minority-quorum manifest)."""
+    """An equivocating validator also votes for a forged head at the same height, round and
+    stage, and sends a certificate for it when its own commit is a quorum (a minority-quorum
+    manifest)."""
     if sender.behaviour != "equivocating_validator":
         return []
     record = honest.record
@@ -171,9 +172,11 @@ def equivocate(
         aggregate_blob=sha256_hex(f"forged aggregate/{record.height}".encode()),
     )
     second = seal(sender.identity, Attestation(experiment_id=record.experiment_id,
-                  height=record.height, head_id=forged.id, validator=record.validator))  # fmt: skip
+                  height=record.height, head_id=forged.id, validator=record.validator,
+                  round=record.round, stage=record.stage))  # fmt: skip
     outbox.observer.lies.add(forged.id)
-    certificate = QuorumCertificate.assemble([second])
-    if certificate.verify(outbox.manifest):
-        outbox.send_certificate(sender, forged, certificate)
+    if record.stage == "commit":
+        certificate = QuorumCertificate.assemble([second])
+        if certificate.verify(outbox.manifest):
+            outbox.send_certificate(sender, forged, certificate)
     return [second]

@@ -32,6 +32,7 @@ from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.driver.racing import hedged
 from p2ptrain.driver.transport import ProviderNote
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.chain import MAX_LINKS_PER_PAGE, HeadChain
 from p2ptrain.protocol.effects import Publish
 from p2ptrain.protocol.reduction import ByteSource, MemoryBytes
@@ -87,10 +88,10 @@ class SimKeep:
     records: dict[str, bytes] = field(default_factory=dict)
     #: The kind and id of each record kept, by window (what a window sync is answered).
     by_window: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
-    votes: dict[int, str] = field(default_factory=dict)
+    votes: dict[int, Ballot] = field(default_factory=dict)
 
-    def put_vote(self, height: int, head_id: str) -> None:
-        self.votes[height] = head_id
+    def put_vote(self, height: int, ballot: Ballot) -> None:
+        self.votes[height] = ballot
 
     def put_signed(
         self, record_id: str, kind: str, envelope: bytes, experiment_id: str, height: int

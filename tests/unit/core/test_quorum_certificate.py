@@ -20,11 +20,23 @@ HEAD = head(MANIFEST.id, height=4, label="a")
 OTHER_HEAD = head(MANIFEST.id, height=4, label="b")
 
 
-def attest(validator: Identity, head_id: str = HEAD.id, manifest: ExperimentManifest = MANIFEST):
+def attest(
+    validator: Identity,
+    head_id: str = HEAD.id,
+    manifest: ExperimentManifest = MANIFEST,
+    *,
+    round_: int = 0,
+    stage: str = "commit",
+):
     return seal(
         validator,
         Attestation(
-            experiment_id=manifest.id, height=4, head_id=head_id, validator=validator.public_key
+            experiment_id=manifest.id,
+            height=4,
+            head_id=head_id,
+            validator=validator.public_key,
+            round=round_,
+            stage=stage,
         ),
     )
 
@@ -36,6 +48,7 @@ def raw_certificate(entries: list[tuple[Identity, bytes]]) -> QuorumCertificate:
         experiment_id=MANIFEST.id,
         height=4,
         head_id=HEAD.id,
+        round=0,
         signatures=tuple(
             ValidatorSignature(validator=v.public_key, signature=sig) for v, sig in entries
         ),
@@ -124,6 +137,7 @@ def test_certificates_round_trip_and_decode_strictly() -> None:
             "experiment_id": cert.experiment_id,
             "height": cert.height,
             "head_id": cert.head_id,
+            "round": cert.round,
             "signatures": [
                 {"validator": s.validator, "signature": s.signature}
                 for s in reversed(cert.signatures)
@@ -143,11 +157,27 @@ def test_assembling_needs_attestations_of_one_head() -> None:
 
 def test_construction_validates_fields() -> None:
     with pytest.raises(InvalidRecord, match="signatures"):
-        QuorumCertificate(experiment_id=MANIFEST.id, height=4, head_id=HEAD.id, signatures=())
+        QuorumCertificate(
+            experiment_id=MANIFEST.id, height=4, head_id=HEAD.id, round=0, signatures=()
+        )
     with pytest.raises(InvalidRecord, match="head_id"):
         QuorumCertificate(
             experiment_id=MANIFEST.id,
             height=4,
             head_id="not-hex",
+            round=0,
             signatures=(ValidatorSignature(validator=bytes(32), signature=bytes(64)),),
         )
+
+
+def test_a_certificate_is_commits_of_one_round_and_binds_that_round() -> None:
+    with pytest.raises(LocalError, match="same head and round"):
+        QuorumCertificate.assemble([attest(VALIDATORS[0]), attest(VALIDATORS[1], round_=1)])
+    with pytest.raises(LocalError, match="commits, not prevotes"):
+        QuorumCertificate.assemble(attest(v, stage="prevote") for v in VALIDATORS[:3])
+    certificate = QuorumCertificate.assemble(attest(v, round_=3) for v in VALIDATORS[:3])
+    assert certificate.round == 3 and certificate.verify(MANIFEST)
+    # the signatures are over round 3: the same certificate naming another round is refused
+    moved = msgspec.structs.replace(certificate, round=2)
+    verdict = moved.verify(MANIFEST)
+    assert not verdict and "is not over this head" in verdict.reason

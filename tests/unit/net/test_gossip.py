@@ -24,6 +24,8 @@ def _attestation(height: int) -> bytes:
             height=height,
             head_id=hashlib.sha256(str(height).encode()).hexdigest(),
             validator=ME.public_key,
+            round=0,
+            stage="commit",
         ),
     )
     return bytes(signed.envelope.encode())

@@ -16,6 +16,7 @@ from p2ptrain.errors import LocalError
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.setup import NodeSettings
 from p2ptrain.protocol import actions as act
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.chain import HeadChain
 from p2ptrain.protocol.participant import Participant
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
@@ -50,13 +51,24 @@ def test_links_round_trip_and_verify_again(tmp_path: Path) -> None:
 
 
 def test_votes_survive_and_old_ones_are_dropped(tmp_path: Path) -> None:
+    def ballot(height: int) -> Ballot:
+        head = h(f"head-{height}")
+        return Ballot(round=height % 3, prevote=head, commit=None, lock=head, lock_round=0)
+
     with DataDir(tmp_path) as datadir:
         store = NodeStore(datadir)
         for height in range(1, 80):
-            store.put_vote(height, h(f"head-{height}"))
+            store.put_vote(height, ballot(height))
     with DataDir(tmp_path) as datadir:
         votes = NodeStore(datadir).votes()
-    assert len(votes) == 64 and votes[79] == h("head-79") and 1 not in votes
+    assert len(votes) == 64 and votes[79] == ballot(79) and 1 not in votes
+
+
+def test_an_unreadable_stored_vote_names_the_directory_and_what_to_do(tmp_path: Path) -> None:
+    with DataDir(tmp_path) as datadir:
+        datadir.state.set_meta("votes", b'{"3": "{\\"round\\": \\"x\\"}"}')
+        with pytest.raises(LocalError, match=r"votes at height 3.*new data directory"):
+            NodeStore(datadir).votes()
 
 
 def test_trainer_state_round_trip(tmp_path: Path) -> None:

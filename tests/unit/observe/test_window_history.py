@@ -46,6 +46,7 @@ def _certificate(height: int, signers: list[bytes]) -> QuorumCertificate:
         experiment_id=EXPERIMENT,
         height=height,
         head_id=f"{height:064x}",
+        round=0,
         signatures=tuple(ValidatorSignature(validator=k, signature=b"s" * 64) for k in signers),
     )
 

@@ -14,6 +14,7 @@ from p2ptrain.core.records import Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
 from p2ptrain.protocol import participant as participant_module
+from p2ptrain.protocol.ballot import Ballot
 from p2ptrain.protocol.lifecycle import (
     EFFECTS,
     EVENTS,
@@ -80,7 +81,7 @@ def test_every_phase_event_and_effect_is_described_and_each_role_reaches_its_pha
     assert transition(Role.VALIDATOR, Phase.ATTESTED, Event.UPDATE).phase is Phase.ATTESTED
 
 
-def test_the_roles_differ_only_in_what_follows_a_judgement_their_own_proposal_and_a_vote() -> None:
+def test_the_roles_differ_only_in_what_follows_a_judgement_their_own_proposal_and_votes() -> None:
     reducer, validator = TRANSITIONS[Role.REDUCER], TRANSITIONS[Role.VALIDATOR]
     differ = {
         pair
@@ -93,6 +94,7 @@ def test_the_roles_differ_only_in_what_follows_a_judgement_their_own_proposal_an
         Event.NO_HEAD,
         Event.VOTED,
         Event.ORDER_OVER,
+        Event.SYNC_DUE,  # a validator that voted still asks what the window holds
     }
     # the close is the same for both, and defined once
     for role in Role:
@@ -173,16 +175,19 @@ def test_a_reducer_proposes_once_and_stops_syncing_a_validator_judges_and_attest
     assert validator.window == 2  # q = 1: certified
 
 
-def test_a_validator_restarted_after_its_vote_is_attested_and_only_sends_it_again() -> None:
+def test_a_validator_restarted_after_its_vote_is_attested_and_sends_its_votes_again() -> None:
     machine = Participant(MANIFEST, VALIDATOR, GENESIS, validator=True, reducers=(), now=0.0)
-    machine.votes[1] = "f" * 64  # as restored from the store
-    machine.restart(10.0)
+    lock = "f" * 64  # as restored from the store: committed in round 0
+    machine.restore_votes({1: Ballot(round=0, prevote=lock, commit=lock, lock=lock)}, 10.0)
     assert machine.phase is Phase.ATTESTED
     signed, blob = UPDATES[0]
-    assert machine.receive_update(11.0, signed, blob) == []
+    said = machine.receive_update(11.0, signed, blob)  # round 1: its lock, prevoted
+    assert [(a.attestation.record.stage, a.attestation.record.round) for a in said] == [
+        ("prevote", 1)
+    ]
     assert machine.tick(10.0 + DEADLINE_S + 0.5) == []  # slot 0 of a one-proposer order
     again = machine.tick(10.0 + DEADLINE_S + SLOT_S + 0.5)  # past the order: sent again
     (vote,) = _of(again, act.SendAttestation)
     assert isinstance(vote, act.SendAttestation) and vote.again
-    assert vote.attestation.record.head_id == "f" * 64
+    assert vote.attestation.record.head_id == lock and vote.attestation.record.round == 1
     assert machine.tick(10.0 + DEADLINE_S + SLOT_S + 1.0) == []  # once per slot

@@ -68,6 +68,26 @@ def _full_window(machines: dict[bytes, Participant]) -> dict[bytes, list[act.Act
     return said
 
 
+def _exchange(
+    machines: dict[bytes, Participant], said: dict[bytes, list[act.Action]], now: float
+) -> dict[bytes, list[act.Action]]:
+    """Each machine's votes delivered to the others, until nobody says a new one; what each
+    said on the way."""
+    heard: dict[bytes, list[act.Action]] = {key: [] for key in machines}
+    pending = {key: _of(actions, act.SendAttestation) for key, actions in said.items()}
+    while any(pending.values()):
+        sent, pending = pending, {key: [] for key in machines}
+        for source, votes in sent.items():
+            for vote in votes:
+                assert isinstance(vote, act.SendAttestation)
+                for key, machine in machines.items():
+                    if key != source:
+                        answer = machine.receive_attestation(now, vote.attestation)
+                        heard[key] += answer
+                        pending[key] += _of(answer, act.SendAttestation)
+    return heard
+
+
 def test_two_validators_certify_a_window_and_each_counts_its_own_vote_once() -> None:
     machines = _validators()
     said = _full_window(machines)
@@ -83,18 +103,22 @@ def test_two_validators_certify_a_window_and_each_counts_its_own_vote_once() -> 
     assert again == []
     assert machines[proposer].window == 1
 
-    # the other validator re-derives the head from the same updates and attests it too
+    # the other validator re-derives the head from the same updates and prevotes it too
     judged = machines[other].receive_proposal(3.0, proposal.proposal)
     (vote,) = _of(judged, act.SendAttestation)
     assert isinstance(vote, act.SendAttestation)
     assert vote.attestation.record.head_id == proposal.proposal.record.head.id
+    assert (vote.attestation.record.stage, vote.attestation.record.round) == ("prevote", 0)
     assert machines[other].statistics().proposals_wrong == 0
 
-    # each one's vote completes the other's quorum: both adopt the same head
-    certified = machines[other].receive_attestation(4.0, own_vote.attestation)
-    assert _of(certified, act.SendCertificate)
-    certified = machines[proposer].receive_attestation(4.0, vote.attestation)
-    assert _of(certified, act.SendCertificate)
+    # each one's prevote makes q for the head: both commit it, and the commits certify it
+    heard = _exchange(machines, {proposer: [own_vote], other: [vote]}, 4.0)
+    for key in machines:
+        stages = [
+            a.attestation.record.stage for a in heard[key] if isinstance(a, act.SendAttestation)
+        ]
+        assert stages == ["commit"]
+        assert _of(heard[key], act.SendCertificate)
     assert machines[proposer].window == machines[other].window == 2
     tips = {m.chain.tip.head_id for m in machines.values()}
     assert tips == {proposal.proposal.record.head.id}
@@ -160,10 +184,9 @@ def test_a_trainer_and_a_validator_of_one_node_follow_one_chain() -> None:
     (proposal,) = _of(said[proposer], act.SendProposal)
     assert isinstance(proposal, act.SendProposal)
     judged = machines[judge].receive_proposal(3.0, proposal.proposal)
-    # A needs the vote of B: B's own (B proposed) or B's judgement of A's proposal
-    (vote,) = _of(said[proposer] if proposer == B.public_key else judged, act.SendAttestation)
-    assert isinstance(vote, act.SendAttestation)
-    adopted = validator.receive_attestation(4.0, vote.attestation)
+    # A needs the votes of B: B's own (B proposed) or B's judgement of A's proposal
+    said[judge] = judged
+    adopted = _exchange(machines, said, 4.0)[A.public_key]
     assert _of(adopted, act.Adopted) and not _of(adopted, act.Train)  # the trainer's own
     assert trainer.base is validator.base is follower.base and trainer.chain.height == 1
     (train,) = trainer.on_base(4.0)

@@ -185,7 +185,8 @@ def test_intake_rejects_what_the_signer_had_no_right_to_send_and_blames_the_sign
     assert "neither a reducer nor a validator" in verdict.reason
     assert rules.judge(_proposal(0), open_window=1).accepted  # the validator may propose
     stranger = seal(identity(5), Attestation(experiment_id=MANIFEST.id, height=1,
-                    head_id=h("x"), validator=identity(5).public_key))  # fmt: skip
+                    head_id=h("x"), validator=identity(5).public_key, round=0,
+                    stage="commit"))  # fmt: skip
     assert rules.judge(stranger, open_window=1).blame == identity(5).peer_id
 
 
