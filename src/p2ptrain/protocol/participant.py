@@ -789,15 +789,16 @@ class Participant(ChainRole):
 
     def _choice(self, ballot: Ballot, actions: list[Action]) -> str | None:
         """What we prevote in ``ballot``'s round: the lock, unless q validators prevoted
-        another head in a round after it; unlocked, the head q validators prevoted in this
-        round, else the earliest valid proposal held (None: nothing to prevote yet)."""
+        another head in a round after it; unlocked, the head of the latest round where q
+        validators prevoted one (what locked validators hold), else the earliest valid
+        proposal held (None: nothing to prevote yet)."""
         polkas = self.book.polkas(self._window.base.window)
         lock = ballot.lock
         if lock is not None:
             later = [r for r in polkas if ballot.lock_round < r <= ballot.round]
             unlocked = polkas[max(later)] if later else lock
             return unlocked if unlocked == lock or self._checked(unlocked, actions) else lock
-        agreed = polkas.get(ballot.round)
+        agreed = polkas[max(polkas)] if polkas else None
         if agreed is not None and self._checked(agreed, actions):
             return agreed
         return self._earliest_valid(actions)
@@ -841,15 +842,20 @@ class Participant(ChainRole):
         return [SendAttestation(signed, ballot=stored), *self.receive_attestation(now, signed)]
 
     def _resend(self, height: int) -> list[Action]:
-        """Our votes of the current round, sent again (lost messages)."""
+        """Our votes of the current round, sent again (lost messages); locked, also the q
+        prevotes that locked us (a validator that missed them follows the lock)."""
         ballot = self.votes.get(height)
         if ballot is None:
             return []
-        return [
+        ours: list[Action] = [
             SendAttestation(self._attestation(height, head, ballot.round, stage), again=True)
             for stage, head in (("prevote", ballot.prevote), ("commit", ballot.commit))
             if head is not None
         ]
+        if ballot.lock is None or ballot.lock_round == ballot.round:
+            return ours
+        polka = self.book.polka_votes(height, ballot.lock_round)
+        return ours + [SendAttestation(signed, again=True) for signed in polka]
 
     def statistics(self) -> ParticipantStatistics:
         w = self._window

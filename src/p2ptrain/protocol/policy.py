@@ -419,8 +419,8 @@ class ParticipantPolicy(RolePolicy):
             ]
         if isinstance(action, act.SendAttestation):
             attestation = action.attestation.record
-            if attestation.validator != self.machine.key:
-                return [Publish("attestation", action.attestation)]
+            if attestation.validator != self.machine.key:  # relayed (a polka that locked us)
+                return [Publish("attestation", action.attestation, again=action.again)]
             # the vote is persisted before anyone hears of it: never two heads in a round
             ballot = action.ballot
             stored = () if ballot is None else (StoreVote(attestation.height, ballot),)

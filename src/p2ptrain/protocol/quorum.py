@@ -7,7 +7,8 @@ heads. q prevotes for one head in one round are a *polka* (validators may commit
 commits for one head in one round are a certificate (:mod:`.ballot`). A validator that signs
 two heads in one round and stage has *equivocated*: the two signed attestations are evidence
 anyone can check, and the book keeps it. What the book keeps of one validator at one height
-is bounded: its votes of the last :data:`ROUNDS_KEPT` rounds it reached.
+is bounded: its votes of the last :data:`ROUNDS_KEPT` rounds it reached, and the q prevotes of
+each polka.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from p2ptrain.core.records import Attestation
 
 __all__ = ["ROUNDS_KEPT", "AttestationBook", "Counted", "Equivocation"]
 
-#: The rounds of one validator's votes kept per height (its latest ones).
-ROUNDS_KEPT = 8
+#: The rounds of one validator's votes kept per height (its latest ones; an older vote is
+#: still counted when it arrives, then let go).
+ROUNDS_KEPT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,8 @@ class AttestationBook:
         self._reached: dict[int, dict[bytes, int]] = defaultdict(dict)
         #: height -> round -> the head q validators prevoted there
         self._polkas: dict[int, dict[int, str]] = defaultdict(dict)
+        #: height -> round -> the q prevotes of its polka (what a locked validator relays)
+        self._polka_votes: dict[int, dict[int, tuple[Signed[Attestation], ...]]] = defaultdict(dict)
         self._certified: dict[int, QuorumCertificate] = {}
         self.equivocations: list[Equivocation] = []
         self._final_through = -1
@@ -83,10 +87,6 @@ class AttestationBook:
             return Counted(Verdict(False, f"{who} is not a validator of the experiment"))
         if record.height <= self._final_through:
             return Counted(Verdict(False, f"height {record.height} is already final here"))
-        reached = self._reached[record.height]
-        latest = max(record.round, reached.get(record.validator, record.round))
-        if record.round <= latest - ROUNDS_KEPT:
-            return Counted(Verdict(False, f"{who} voted in round {latest} since"))
         ballots = self._by_height[record.height]
         votes = ballots.setdefault((record.round, record.stage), {})
         earlier = votes.get(record.validator)
@@ -104,9 +104,17 @@ class AttestationBook:
                 equivocation=evidence,
             )
         votes[record.validator] = signed
-        if latest > reached.get(record.validator, -1):
-            reached[record.validator] = latest
-            self._forget_rounds(record.height, record.validator, latest - ROUNDS_KEPT)
+        counted = self._count(record, votes)
+        # counted first: a late vote of an old round still completes what it completes
+        reached = self._reached[record.height]
+        latest = max(record.round, reached.get(record.validator, -1))
+        reached[record.validator] = latest
+        self._forget_rounds(record.height, record.validator, latest - ROUNDS_KEPT)
+        return counted
+
+    def _count(self, record: Attestation, votes: dict[bytes, Signed[Attestation]]) -> Counted:
+        """What one more vote in its round and stage makes: a polka, a certificate, or a
+        count."""
         if record.height in self._certified:
             return Counted(Verdict(True, "counted; the height is already certified"))
         same = [s for s in votes.values() if s.record.head_id == record.head_id]
@@ -118,6 +126,7 @@ class AttestationBook:
             if record.round in polkas:
                 return Counted(Verdict(True, "counted; the round has its q prevotes"))
             polkas[record.round] = record.head_id
+            self._polka_votes[record.height][record.round] = tuple(same)
             return Counted(
                 Verdict(True, f"q prevotes in round {record.round}"),
                 polka=(record.round, record.head_id),
@@ -125,6 +134,11 @@ class AttestationBook:
         certificate = QuorumCertificate.assemble(same)
         self._certified[record.height] = certificate
         return Counted(Verdict(True, "quorum reached"), certificate=certificate)
+
+    def rounds_kept(self, height: int, validator: bytes) -> list[int]:
+        """The rounds whose votes of ``validator`` at ``height`` the book keeps."""
+        ballots = self._by_height.get(height, {})
+        return sorted({r for (r, _), votes in ballots.items() if validator in votes})
 
     def _forget_rounds(self, height: int, validator: bytes, below: int) -> None:
         """Drop ``validator``'s votes at ``height`` in rounds up to ``below``."""
@@ -137,6 +151,10 @@ class AttestationBook:
     def polka(self, height: int, round_: int) -> str | None:
         """The head q validators prevoted at ``height`` in ``round_`` (None: none yet)."""
         return self._polkas.get(height, {}).get(round_)
+
+    def polka_votes(self, height: int, round_: int) -> tuple[Signed[Attestation], ...]:
+        """The q prevotes that made the polka at ``height`` in ``round_`` (empty: none)."""
+        return self._polka_votes.get(height, {}).get(round_, ())
 
     def polkas(self, height: int) -> dict[int, str]:
         """Every round's polka at ``height``: round -> head."""
@@ -155,6 +173,7 @@ class AttestationBook:
         """Drop the votes of heights up to ``height`` and refuse any later vote there (kept:
         the equivocation evidence)."""
         self._final_through = max(self._final_through, height)
-        for table in (self._by_height, self._reached, self._polkas, self._certified):
+        tables = (self._by_height, self._reached, self._polkas, self._polka_votes, self._certified)
+        for table in tables:
             for old in [h for h in table if h <= height]:
                 del table[old]

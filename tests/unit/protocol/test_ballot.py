@@ -10,6 +10,7 @@ import msgspec
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity
+from p2ptrain.core.manifests import ExperimentManifest
 from p2ptrain.core.records import Attestation, Update
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.protocol import actions as act
@@ -36,11 +37,15 @@ SLOT_S = MANIFEST.window.proposal_s
 
 
 def _update(n: int) -> tuple[Signed[Update], bytes]:
-    machine = TrainerMachine(MANIFEST, TRAINERS[n], GENESIS)
+    return _update_of(MANIFEST, n)
+
+
+def _update_of(manifest: ExperimentManifest, n: int) -> tuple[Signed[Update], bytes]:
+    machine = TrainerMachine(manifest, TRAINERS[n], GENESIS)
     (train,) = machine.start(0.0)
     assert isinstance(train, act.Train)
     delta, before, after = WORKLOAD.train(GENESIS, machine.lease(1), n, 1)
-    blob = bytes(make_encoder(MANIFEST.codec, schema_of(GENESIS)).encode(delta))
+    blob = bytes(make_encoder(manifest.codec, schema_of(GENESIS)).encode(delta))
     sent = machine.finish(train.window, train.base_head, blob, before, after, now=0.5)
     (update,) = [a for a in sent if isinstance(a, act.SendUpdate)]
     return update.update, blob
@@ -65,7 +70,10 @@ def _deliver(now: float, actions: list[act.Action], to: Participant) -> list[act
 
 
 def _votes(actions: list[act.Action]) -> list[Attestation]:
-    return [a.attestation.record for a in actions if isinstance(a, act.SendAttestation)]
+    """The votes in ``actions`` (not those sent again)."""
+    return [
+        a.attestation.record for a in actions if isinstance(a, act.SendAttestation) and not a.again
+    ]
 
 
 def _split() -> tuple[Participant, Participant, list[act.Action], list[act.Action]]:
@@ -176,3 +184,65 @@ def test_a_restarted_validator_votes_from_the_next_round_for_its_lock() -> None:
     assert [(v.stage, v.round, v.head_id) for v in _votes(said)] == [("prevote", 4, head_1.id)]
     stores = [a.ballot for a in said if isinstance(a, act.SendAttestation)]
     assert stores == [Ballot(round=4, prevote=head_1.id, lock=head_1.id, lock_round=3)]
+
+
+def test_a_locked_validator_sends_the_prevotes_that_locked_it_again() -> None:
+    first, _, from_first, _ = _split()
+    now = DEADLINE_S + SLOT_S + 1.0
+    head_1 = next(a for a in from_first if isinstance(a, act.SendProposal)).proposal.record.head
+    polka = seal(SECOND, Attestation(experiment_id=MANIFEST.id, height=1, head_id=head_1.id,
+                 validator=SECOND.public_key, round=0, stage="prevote"))  # fmt: skip
+    first.receive_attestation(now, polka)
+    assert first.votes[1].lock_round == 0
+    first.tick(DEADLINE_S + 2 * SLOT_S + 0.5)  # round 1: its lock, prevoted again
+    again = first.tick(DEADLINE_S + 3 * SLOT_S + 0.5)  # a slot past the order: resent
+    sent = {
+        (a.attestation.record.validator, a.attestation.record.stage, a.attestation.record.round)
+        for a in again
+        if isinstance(a, act.SendAttestation) and a.again
+    }
+    assert sent == {
+        (FIRST.public_key, "prevote", 1),  # this round's vote
+        (FIRST.public_key, "prevote", 0),  # and the q prevotes of the round it locked in
+        (SECOND.public_key, "prevote", 0),
+    }
+
+
+THREE = msgspec.structs.replace(
+    ONE, validators=tuple(sorted(identity(n).public_key for n in (1, 2, 3))), quorum=2
+)
+
+
+def test_an_unlocked_validator_prevotes_the_latest_polka_over_the_earliest_proposal() -> None:
+    keys = {identity(n).public_key: identity(n) for n in (1, 2, 3)}
+    a, b, v = (keys[k] for k in proposer_order(THREE, THREE.id, 1, ()))
+    updates = [_update_of(THREE, n) for n in range(3)]
+    machines = {
+        who: Participant(THREE, who, GENESIS, validator=True, reducers=(), now=0.0)
+        for who in (a, b, v)
+    }
+    for n, (signed, blob) in enumerate(updates):
+        for who, machine in machines.items():
+            if n < 2 or who is not b:  # b holds two updates, a and v three
+                machine.receive_update(1.0, signed, blob)
+    slot = [DEADLINE_S + i * SLOT_S + 0.5 for i in range(12)]
+    (p_a,) = [x for x in machines[a].tick(slot[0]) if isinstance(x, act.SendProposal)]
+    machines[b].tick(slot[0])
+    (p_b,) = [x for x in machines[b].tick(slot[1]) if isinstance(x, act.SendProposal)]
+    head_1, head_2 = p_a.proposal.record.head.id, p_b.proposal.record.head.id
+    # v hears b's proposal in time and a's only after its own slot: it prevotes head_2
+    first = machines[v].receive_proposal(slot[1], p_b.proposal)
+    assert [(x.stage, x.round, x.head_id) for x in _votes(first)] == [("prevote", 0, head_2)]
+    machines[v].receive_proposal(slot[2], p_a.proposal)
+    # round 1: a's proposal is the earliest v recomputed, and no polka is known
+    round_1 = machines[v].tick(slot[3])
+    assert [(x.stage, x.round, x.head_id) for x in _votes(round_1)] == [("prevote", 1, head_1)]
+    round_2 = machines[v].tick(slot[6])
+    assert [(x.stage, x.round, x.head_id) for x in _votes(round_2)] == [("prevote", 2, head_1)]
+    # relayed late: a and b prevoted head_2 in round 1 (a polka; they may be locked on it)
+    for who in (a, b):
+        relayed = seal(who, Attestation(experiment_id=THREE.id, height=1, head_id=head_2,
+                       validator=who.public_key, round=1, stage="prevote"))  # fmt: skip
+        assert not _votes(machines[v].receive_attestation(slot[6] + 0.1, relayed))
+    round_3 = machines[v].tick(slot[9])
+    assert [(x.stage, x.round, x.head_id) for x in _votes(round_3)] == [("prevote", 3, head_2)]
