@@ -22,6 +22,9 @@
 #define CHUNK 65536
 /* Values a trimmed mean sorts at a time (its wires: n_combine rows of them). */
 #define SORT_WIDTH 256
+/* Slices decoded and aggregated before each row's trees take them (the bits do not depend
+ * on it: each row's tree takes its slices in the same order). */
+#define TREE_RUN 8
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
@@ -200,6 +203,47 @@ static inline void slice_terms_onto(const float *row, const float *agg, int64_t 
     for (int64_t j = valid; j < tail; j++) out[j] = left[j] + 0.0;
 }
 
+/* The binary counter's work for TREE_RUN (8) consecutive full slices of one row, the run
+ * `index`-th of its block: their subtree ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)),
+ * per value, is what the counter builds on level 3 from them one slice at a time (each
+ * merge is left + right), so it is summed in registers and merged into the levels from 3 up
+ * as the counter merges a subtree landing there: the same additions in the same order. */
+static inline void run_tree(const float *const *row, const float *const *other, int64_t width,
+                            int64_t products, int64_t index, double *levels_of_row) {
+    int top = 0;
+    while ((index >> top) & 1) top++;
+    double *restrict out = levels_of_row + (3 + top) * width;
+    const float *restrict r0 = row[0], *restrict r1 = row[1], *restrict r2 = row[2];
+    const float *restrict r3 = row[3], *restrict r4 = row[4], *restrict r5 = row[5];
+    const float *restrict r6 = row[6], *restrict r7 = row[7];
+    const float *restrict o0 = other[0], *restrict o1 = other[1], *restrict o2 = other[2];
+    const float *restrict o3 = other[3], *restrict o4 = other[4], *restrict o5 = other[5];
+    const float *restrict o6 = other[6], *restrict o7 = other[7];
+    if (products) {
+        for (int64_t j = 0; j < width; j++) {
+            const double t0 = (double)r0[j] * (double)o0[j], t1 = (double)r1[j] * (double)o1[j];
+            const double t2 = (double)r2[j] * (double)o2[j], t3 = (double)r3[j] * (double)o3[j];
+            const double t4 = (double)r4[j] * (double)o4[j], t5 = (double)r5[j] * (double)o5[j];
+            const double t6 = (double)r6[j] * (double)o6[j], t7 = (double)r7[j] * (double)o7[j];
+            out[j] = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7));
+        }
+    } else {
+        for (int64_t j = 0; j < width; j++) {
+            const double d0 = (double)(r0[j] - o0[j]), d1 = (double)(r1[j] - o1[j]);
+            const double d2 = (double)(r2[j] - o2[j]), d3 = (double)(r3[j] - o3[j]);
+            const double d4 = (double)(r4[j] - o4[j]), d5 = (double)(r5[j] - o5[j]);
+            const double d6 = (double)(r6[j] - o6[j]), d7 = (double)(r7[j] - o7[j]);
+            out[j] = ((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)) +
+                     ((d4 * d4 + d5 * d5) + (d6 * d6 + d7 * d7));
+        }
+    }
+    /* merged as the counter merges: the pending subtree on each level below, + this one */
+    for (int level = 3; level < 3 + top; level++) {
+        const double *restrict left = levels_of_row + level * width;
+        for (int64_t j = 0; j < width; j++) out[j] = left[j] + out[j];
+    }
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written).
  * `rows[i]` and `aggregate` point at the values of position `base` (a span of the vectors);
  * `length` and the blocks count positions of the whole vectors. A NULL `partial` asks for
@@ -255,11 +299,14 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
         free(zeros);
         return -1;
     }
-    /* each row's values of the slice at hand: in place, or decoded into `decoded` */
+    /* each row's values of the slices of a run: in place, or decoded into `decoded` */
+    const int64_t run = slices < TREE_RUN ? slices : TREE_RUN;
     const int64_t code_rows = codes == NULL ? 0 : codes->rows;
-    const float **at = malloc(sizeof(float *) * (size_t)n_rows);
-    float *decoded = malloc(sizeof(float) * (size_t)((code_rows ? code_rows : 1) * width));
+    const float **at = malloc(sizeof(float *) * (size_t)(n_rows * run));
+    float *decoded =
+        malloc(sizeof(float) * (size_t)((code_rows ? code_rows : 1) * width * run));
     float *wires = malloc(sizeof(float) * (size_t)((mode == TRIMMED ? n_combine : 1) * SORT_WIDTH));
+    int64_t offsets[TREE_RUN], valids[TREE_RUN];
     if (at == NULL || decoded == NULL || wires == NULL) {
         free(stack);
         free(zeros);
@@ -271,68 +318,97 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
 
     for (int64_t block = block_begin; block < block_end; block++) {
         const int64_t block_start = block * CHUNK;
-        for (int64_t r = 0; r < slices; r++) {
-            const int64_t offset = block_start + bit_reverse(r, bits) * width;
-            int64_t valid = length - offset;
-            if (valid > width) valid = width;
-            if (valid < 0) valid = 0;
-            float *agg = aggregate + (offset - base);
-            for (int64_t i = 0; i < n_rows; i++) {
-                if (i < code_rows) {
-                    float *values = decoded + i * width;
-                    if (valid > 0) decode_slice(codes, i, offset, valid, values, code_status + i);
-                    at[i] = values;
-                } else {
-                    at[i] = rows[i] == NULL ? zeros : rows[i] + (offset - base);
-                }
-            }
-            if (mode == TRIMMED && valid > 0) {
-                /* sorted in narrower pieces, so the wires stay in L1 */
-                for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
-                    const int64_t count = valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
-                    sort_slice(at, n_combine, pairs, n_pairs, wires, SORT_WIDTH, piece, count);
-                    mean_of_ranks(wires, n_combine, trim, SORT_WIDTH, count, agg + piece);
-                    if (second != NULL) {
-                        mean_of_ranks(wires, n_combine, second_trim, SORT_WIDTH, count,
-                                      second + (offset - base) + piece);
+        for (int64_t first = 0; first < slices; first += run) {
+            /* the aggregate of `run` slices, then each row's trees over them (its levels stay
+             * in cache while it takes the run's slices, in the same order as one by one) */
+            for (int64_t s = 0; s < run; s++) {
+                const int64_t r = first + s;
+                const int64_t offset = block_start + bit_reverse(r, bits) * width;
+                int64_t valid = length - offset;
+                if (valid > width) valid = width;
+                if (valid < 0) valid = 0;
+                offsets[s] = offset, valids[s] = valid;
+                float *agg = aggregate + (offset - base);
+                const float **at_s = at + s * n_rows;
+                for (int64_t i = 0; i < n_rows; i++) {
+                    if (i < code_rows) {
+                        float *values = decoded + (s * code_rows + i) * width;
+                        if (valid > 0) decode_slice(codes, i, offset, valid, values, code_status + i);
+                        at_s[i] = values;
+                    } else {
+                        at_s[i] = rows[i] == NULL ? zeros : rows[i] + (offset - base);
                     }
-                    count_dropped(at, n_combine, wires, second == NULL ? trim : second_trim,
-                                  SORT_WIDTH, piece, count, dropped);
                 }
-            } else if (mode == WEIGHTED && valid > 0) {
-                const float *first = at[combine_index[0]];
-                const float c0 = coefficients[0];
-                for (int64_t j = 0; j < valid; j++) agg[j] = first[j] * c0;
-                for (int64_t k = 1; k < n_combine; k++) {
-                    const float *row = at[combine_index[k]];
-                    const float c = coefficients[k];
-                    for (int64_t j = 0; j < valid; j++) {
-                        const float product = row[j] * c;
-                        agg[j] = agg[j] + product;
+                if (mode == TRIMMED && valid > 0) {
+                    /* sorted in narrower pieces, so the wires stay in L1 */
+                    for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
+                        const int64_t count =
+                            valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
+                        sort_slice(at_s, n_combine, pairs, n_pairs, wires, SORT_WIDTH, piece,
+                                   count);
+                        mean_of_ranks(wires, n_combine, trim, SORT_WIDTH, count, agg + piece);
+                        if (second != NULL) {
+                            mean_of_ranks(wires, n_combine, second_trim, SORT_WIDTH, count,
+                                          second + (offset - base) + piece);
+                        }
+                        count_dropped(at_s, n_combine, wires, second == NULL ? trim : second_trim,
+                                      SORT_WIDTH, piece, count, dropped);
+                    }
+                } else if (mode == WEIGHTED && valid > 0) {
+                    const float *head = at_s[combine_index[0]];
+                    const float c0 = coefficients[0];
+                    for (int64_t j = 0; j < valid; j++) agg[j] = head[j] * c0;
+                    for (int64_t k = 1; k < n_combine; k++) {
+                        const float *row = at_s[combine_index[k]];
+                        const float c = coefficients[k];
+                        for (int64_t j = 0; j < valid; j++) {
+                            const float product = row[j] * c;
+                            agg[j] = agg[j] + product;
+                        }
                     }
                 }
             }
             if (partial == NULL) continue; /* the aggregate alone */
-            /* binary counter: this slice's subtree lands on level `top` (free: the levels
-             * below it hold the pending subtrees, each merged in as left + right) */
-            int top = 0;
-            while ((r >> top) & 1) top++;
+            int full = run == TREE_RUN;
+            for (int64_t s = 0; s < run; s++) full = full && valids[s] == width;
             for (int64_t i = 0; i < n_rows; i++) {
-                const float *row = at[i];
                 for (int t = 0; t < trees; t++) {
-                    /* a square is the row's product with itself */
-                    const float *other = other_of[t] == NULL ? row : other_of[t] + (offset - base);
                     const int64_t as_products = products_of[t];
                     double *levels_of_row = stack + (t * n_rows + i) * levels * width;
-                    double *out = levels_of_row + top * width;
-                    if (top == 0) {
-                        slice_terms(row, other, valid, width, as_products, out);
+                    if (full) {
+                        const float *row_of[TREE_RUN], *other_in[TREE_RUN];
+                        for (int64_t s = 0; s < TREE_RUN; s++) {
+                            row_of[s] = at[s * n_rows + i];
+                            other_in[s] = other_of[t] == NULL
+                                              ? row_of[s]
+                                              : other_of[t] + (offsets[s] - base);
+                        }
+                        run_tree(row_of, other_in, width, as_products, first / TREE_RUN,
+                                 levels_of_row);
                         continue;
                     }
-                    slice_terms_onto(row, other, valid, width, as_products, levels_of_row, out);
-                    for (int level = 1; level < top; level++) {
-                        const double *left = levels_of_row + level * width;
-                        for (int64_t j = 0; j < width; j++) out[j] = left[j] + out[j];
+                    for (int64_t s = 0; s < run; s++) {
+                        const int64_t r = first + s;
+                        const float *row = at[s * n_rows + i];
+                        /* a square is the row's product with itself */
+                        const float *other =
+                            other_of[t] == NULL ? row : other_of[t] + (offsets[s] - base);
+                        /* binary counter: this slice's subtree lands on level `top` (free:
+                         * the levels below it hold the pending subtrees, each merged in as
+                         * left + right) */
+                        int top = 0;
+                        while ((r >> top) & 1) top++;
+                        double *out = levels_of_row + top * width;
+                        if (top == 0) {
+                            slice_terms(row, other, valids[s], width, as_products, out);
+                            continue;
+                        }
+                        slice_terms_onto(row, other, valids[s], width, as_products,
+                                         levels_of_row, out);
+                        for (int level = 1; level < top; level++) {
+                            const double *left = levels_of_row + level * width;
+                            for (int64_t j = 0; j < width; j++) out[j] = left[j] + out[j];
+                        }
                     }
                 }
             }
