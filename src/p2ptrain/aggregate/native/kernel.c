@@ -66,6 +66,113 @@ static inline void sort_slice(const float *const *rows, int64_t n, const int64_t
     }
 }
 
+/* Eight coordinates of n <= 16 wires at a time, held in registers through the whole
+ * network: Batcher's odd-even merge sort of 16 wires (rules_basic.sorting_network(16, 0, 15)),
+ * the wires past n carrying +inf (they never move). A full sort decides every rank, so the
+ * ranks a pass reads hold the same values, bit for bit, as the comparators it was given
+ * leave there; each comparator is the same pair of selections as sort_slice's. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f pick(v8i mask, v8f yes, v8f no) {
+    return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask));
+}
+
+#define CX(a, b)                                                                              \
+    do {                                                                                      \
+        const v8f x_ = a, y_ = b;                                                             \
+        a = pick(y_ < x_, y_, x_);                                                            \
+        b = pick(x_ < y_, y_, x_);                                                            \
+    } while (0)
+#define LOAD(k)                                                                               \
+    v8f w##k = infinite;                                                                      \
+    if (k < n) {                                                                              \
+        memcpy(&w##k, rows[k] + offset + j, sizeof(v8f));                                     \
+        w##k = w##k + 0.0f; /* -0.0 becomes +0.0 */                                           \
+    }
+#define STORE(k)                                                                              \
+    if (k < n) memcpy(wires + k * tail + j, &w##k, sizeof(v8f))
+
+static inline __attribute__((always_inline)) void sort16_slice(const float *const *rows, int64_t n,
+                                                              float *wires, int64_t tail,
+                                int64_t offset, int64_t valid) {
+    const float inf = __builtin_inff();
+    const v8f infinite = {inf, inf, inf, inf, inf, inf, inf, inf};
+    for (int64_t j = 0; j + 8 <= valid; j += 8) {
+        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
+        LOAD(8) LOAD(9) LOAD(10) LOAD(11) LOAD(12) LOAD(13) LOAD(14) LOAD(15)
+    CX(w0, w1);
+    CX(w2, w3);
+    CX(w4, w5);
+    CX(w6, w7);
+    CX(w8, w9);
+    CX(w10, w11);
+    CX(w12, w13);
+    CX(w14, w15);
+    CX(w0, w2);
+    CX(w1, w3);
+    CX(w4, w6);
+    CX(w5, w7);
+    CX(w8, w10);
+    CX(w9, w11);
+    CX(w12, w14);
+    CX(w13, w15);
+    CX(w1, w2);
+    CX(w5, w6);
+    CX(w9, w10);
+    CX(w13, w14);
+    CX(w0, w4);
+    CX(w1, w5);
+    CX(w2, w6);
+    CX(w3, w7);
+    CX(w8, w12);
+    CX(w9, w13);
+    CX(w10, w14);
+    CX(w11, w15);
+    CX(w2, w4);
+    CX(w3, w5);
+    CX(w10, w12);
+    CX(w11, w13);
+    CX(w1, w2);
+    CX(w3, w4);
+    CX(w5, w6);
+    CX(w9, w10);
+    CX(w11, w12);
+    CX(w13, w14);
+    CX(w0, w8);
+    CX(w1, w9);
+    CX(w2, w10);
+    CX(w3, w11);
+    CX(w4, w12);
+    CX(w5, w13);
+    CX(w6, w14);
+    CX(w7, w15);
+    CX(w4, w8);
+    CX(w5, w9);
+    CX(w6, w10);
+    CX(w7, w11);
+    CX(w2, w4);
+    CX(w3, w5);
+    CX(w6, w8);
+    CX(w7, w9);
+    CX(w10, w12);
+    CX(w11, w13);
+    CX(w1, w2);
+    CX(w3, w4);
+    CX(w5, w6);
+    CX(w7, w8);
+    CX(w9, w10);
+    CX(w11, w12);
+    CX(w13, w14);
+        STORE(0); STORE(1); STORE(2); STORE(3); STORE(4); STORE(5); STORE(6); STORE(7);
+        STORE(8); STORE(9); STORE(10); STORE(11); STORE(12); STORE(13); STORE(14); STORE(15);
+    }
+}
+
+#undef CX
+#undef LOAD
+#undef STORE
+
 /* The mean of the sorted wires' ranks trim..n-1-trim (added in rank order, one division)
  * into agg. */
 static inline void mean_of_ranks(const float *wires, int64_t n, int64_t trim, int64_t tail,
@@ -344,8 +451,12 @@ int p2p_stream_pass(const float *const *rows, int64_t n_rows, int64_t mode,
                     for (int64_t piece = 0; piece < valid; piece += SORT_WIDTH) {
                         const int64_t count =
                             valid - piece < SORT_WIDTH ? valid - piece : SORT_WIDTH;
-                        sort_slice(at_s, n_combine, pairs, n_pairs, wires, SORT_WIDTH, piece,
-                                   count);
+                        if (n_combine > 8 && n_combine <= 16 && count % 8 == 0) {
+                            sort16_slice(at_s, n_combine, wires, SORT_WIDTH, piece, count);
+                        } else {
+                            sort_slice(at_s, n_combine, pairs, n_pairs, wires, SORT_WIDTH, piece,
+                                       count);
+                        }
                         mean_of_ranks(wires, n_combine, trim, SORT_WIDTH, count, agg + piece);
                         if (second != NULL) {
                             mean_of_ranks(wires, n_combine, second_trim, SORT_WIDTH, count,
