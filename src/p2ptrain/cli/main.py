@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         configure_logging(args)  # stderr; and a node command's --log-file
+        args.argv = list(argv)  # what a command that runs itself again (a pod) repeats
         code: int = handler(args)
     except P2PTrainError as exc:
         _report(exc, verbose=args.verbose)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from p2ptrain.cli.commands import add_command, summary
 from p2ptrain.cli.logs import CONFIG_KEYS as LOG_CONFIG_KEYS
 from p2ptrain.cli.logs import add_log_arguments
+from p2ptrain.cli.pod_launch import add_pod_arguments, launch_pod, pod_from_environment
 from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
 from p2ptrain.core.roles import ROLES
 from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
@@ -80,6 +81,9 @@ _CONFIG_KEYS = {
     "evaluate",
     "data",
     "data_cache_mb",
+    "pod_ranks",
+    "pod_timeout_s",
+    "pod_restarts",
     *LOG_CONFIG_KEYS,
 }
 #: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
@@ -271,8 +275,9 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
         parser.add_argument(
             "--device",
             help="where to train: cpu (default), cuda, cuda:N or mps (validators keep the "
-            "canonical arithmetic on the CPU)",
+            "canonical arithmetic on the CPU); in a pod, cuda is each rank's own GPU",
         )
+        add_pod_arguments(parser)
     if role in _EVALUATING:
         parser.add_argument(
             "--evaluate",
@@ -365,6 +370,10 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
     serving = any(r in _SERVING_ROLES for r in roles)
     host, port = _listen(pick("listen", "127.0.0.1:0" if serving else None))
     toml = pick("experiment_toml")
+    pod = pod_from_environment(os.environ, timeout_s=pick("pod_timeout_s"))
+    device = str(pick("device", "cpu"))
+    if pod is not None and device == "cuda":
+        device = f"cuda:{pod.local_rank}"  # one GPU per rank
     return NodeSettings(
         data_dir=Path(pick("dir", args.data_dir_default)),
         roles=tuple(roles),
@@ -387,18 +396,31 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         keep_heads=int(pick("keep_heads", DEFAULT_KEEP_HEADS)),
         heartbeat_s=float(pick("heartbeat_s", 20.0)),
         workload=pick("workload"),
-        device=str(pick("device", "cpu")),
+        device=device,
         evaluate=bool(pick("evaluate", False)),
         serve_data=None if pick("data") is None else Path(pick("data")),
         data_cache_bytes=int(float(pick("data_cache_mb", DEFAULT_DATA_CACHE_MB)) * (1 << 20)),
         metrics_listen=pick("metrics_listen"),
+        pod=pod,
     )
 
 
 def run_node_command(args: argparse.Namespace) -> int:
+    config = _config(args.config)
+    ranks = getattr(args, "pod_ranks", None)
+    ranks = config.get("pod_ranks") if ranks is None else ranks
+    if ranks is not None:  # torchrun runs this command again, on each rank
+        restarts = getattr(args, "pod_restarts", None)
+        restarts = config.get("pod_restarts") if restarts is None else restarts
+        return launch_pod(args.argv, int(ranks), restarts)
+    settings = settings_from(args)
+    if settings.pod is not None and settings.pod.rank > 0:
+        from p2ptrain.node.pod import run_pod_rank
+
+        run_pod_rank(settings, settings.pod)
+        return 0
     from p2ptrain.node.launch import run_node
 
-    settings = settings_from(args)
     if args.json:
         run_node(settings, on_event=_json_event)
         return 0

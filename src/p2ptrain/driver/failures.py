@@ -20,7 +20,7 @@ from p2ptrain.errors import LocalError
 from p2ptrain.observe.events import NodeEvent, RoleFailure
 from p2ptrain.observe.status import RoleError
 
-__all__ = ["DEFAULT_MAX_FAILURES", "FailureBook", "RoleFailed"]
+__all__ = ["DEFAULT_MAX_FAILURES", "EndsTheNode", "FailureBook", "RoleFailed"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +39,40 @@ class RoleFailed(LocalError):
 
     exit_code = 3
 
-    def __init__(self, role: str, errors: list[RoleError], limit: int) -> None:
+    def __init__(
+        self,
+        role: str,
+        errors: list[RoleError],
+        limit: int,
+        *,
+        ended: EndsTheNode | None = None,
+    ) -> None:
         last = errors[-1]
         windows = ", ".join(str(w) for w in dict.fromkeys(e.window for e in errors))
         advice = _ADVICE.get(role, "the traceback is in the log")
-        super().__init__(
-            f"the {role} role failed {limit} times in a row (windows {windows}); last error "
-            f"in window {last.window} while {last.step}: {last.error}: {last.message}. The "
-            f"node stopped: fix the cause ({advice}) and start it again on the same data "
-            "directory (--max-role-failures N tolerates more failures in a row)"
-        )
+        if ended is not None:
+            message = f"the {role} role failed in window {last.window}: {ended}"
+        else:
+            message = (
+                f"the {role} role failed {limit} times in a row (windows {windows}); last "
+                f"error in window {last.window} while {last.step}: {last.error}: "
+                f"{last.message}. The node stopped: fix the cause ({advice}) and start it "
+                "again on the same data directory (--max-role-failures N tolerates more "
+                "failures in a row)"
+            )
+        super().__init__(message)
+        if ended is not None:
+            self.__cause__ = ended
         self.role = role
         self.error = last
+
+
+class EndsTheNode(LocalError):
+    """A step's failure after which its role cannot go on in this process (a pod whose rank
+    died): it is recorded as the window's failure like any other, and then the node stops
+    with it at once (its supervisor, such as torchrun, may start it again)."""
+
+    exit_code = 3
 
 
 class FailureBook:
@@ -115,6 +137,8 @@ class FailureBook:
         fatal = self.exhausted(role)
         if fatal is not None:
             fatal.__cause__ = exc
+        elif isinstance(exc, EndsTheNode):
+            return RoleFailed(role, [self.recent[-1]], 1, ended=exc)
         return fatal
 
     def succeeded(self, role: str) -> None:

@@ -27,7 +27,8 @@ from p2ptrain.errors import LocalError
 from p2ptrain.net.wire_meter import metered_loop
 from p2ptrain.node.data_import import attach_validation, import_prepared
 from p2ptrain.node.persist import NodeStore
-from p2ptrain.node.setup import NodeSettings, prepare
+from p2ptrain.node.pod import PodWorkload, form_pod
+from p2ptrain.node.setup import NodeSettings, Prepared, prepare
 from p2ptrain.node.shard_cache import CACHE_FILE, ShardCache
 from p2ptrain.node.shell import Node
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
@@ -75,32 +76,13 @@ async def serve(
         if settings.serve_data is not None:
             import_prepared(store.blobs, read_prepared(settings.serve_data), manifest.dataset)
         chosen: Workload | None = None
+        pod: PodWorkload | None = None
         shards: ShardCache | None = None
         if "trainer" in settings.roles:
-            if workload is None:
-                built = build_workload(manifest, settings.workload)
-            else:
-                built = workload(manifest) if callable(workload) else workload
-            if manifest.dataset.kind == "sharded":
-                shards = ShardCache(
-                    store.blobs,
-                    manifest.dataset,
-                    settings.data_dir / CACHE_FILE,
-                    limit_bytes=settings.data_cache_bytes,
-                )
-                data = attach_shards(built, manifest.dataset, shards.locate, str(store.blobs.root))
-                shards.on_evict = data.forget
-            chosen = check_workload(manifest, built, prepared.genesis)
-            if settings.device != "cpu":
-                if not isinstance(chosen, Placeable):
-                    raise LocalError(
-                        f"--device {settings.device}: this workload ({type(chosen).__name__}) "
-                        "cannot be moved (it has no place(device)); build it on the device "
-                        "yourself"
-                    )
-                chosen.place(settings.device)
-            if dry_run and isinstance(chosen, DryRunnable):
-                chosen.dry_run()  # a mistake in the model or data fails now, in words
+            chosen, shards = _trainer_workload(settings, prepared, store, workload, dry_run)
+            if settings.pod is not None:  # rank 0 of a pod: the ranks train its windows
+                pod = await asyncio.to_thread(form_pod, settings.pod, chosen, manifest)
+                chosen = pod
         # the evaluator's own workload (a trainer's model is busy training); a node that
         # does not evaluate builds none, and needs no model code
         evaluating = experiment_workload(manifest, settings.workload) if settings.evaluate else None
@@ -132,6 +114,45 @@ async def serve(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(signum)
+            if pod is not None:
+                pod.close()
+
+
+def _trainer_workload(
+    settings: NodeSettings,
+    prepared: Prepared,
+    store: NodeStore,
+    workload: WorkloadSource | None,
+    dry_run: bool,
+) -> tuple[Workload, ShardCache | None]:
+    """The trainer's workload, checked against the experiment, on its device, its prepared
+    shards attached (and their cache), after one dry batch."""
+    manifest = prepared.experiment.record
+    shards: ShardCache | None = None
+    if workload is None:
+        built = build_workload(manifest, settings.workload)
+    else:
+        built = workload(manifest) if callable(workload) else workload
+    if manifest.dataset.kind == "sharded":
+        shards = ShardCache(
+            store.blobs,
+            manifest.dataset,
+            settings.data_dir / CACHE_FILE,
+            limit_bytes=settings.data_cache_bytes,
+        )
+        data = attach_shards(built, manifest.dataset, shards.locate, str(store.blobs.root))
+        shards.on_evict = data.forget
+    chosen = check_workload(manifest, built, prepared.genesis)
+    if settings.device != "cpu":
+        if not isinstance(chosen, Placeable):
+            raise LocalError(
+                f"--device {settings.device}: this workload ({type(chosen).__name__}) "
+                "cannot be moved (it has no place(device)); build it on the device yourself"
+            )
+        chosen.place(settings.device)
+    if dry_run and isinstance(chosen, DryRunnable):
+        chosen.dry_run()  # a mistake in the model or data fails now, in words
+    return chosen, shards
 
 
 def attach_shards(

@@ -13,7 +13,10 @@
   evaluator; at most one per evaluator and head, at most 64 evaluators per head, kept as
   long as the head);
 * a trainer's inner optimizer state (``trainer-state.safetensors``), written atomically
-  after each window.
+  after each window, and the window it is training (``meta['training']``, cleared when the
+  window's training ends), so that a trainer killed in the middle of a window (a rank of
+  its pod died, the machine ran out of memory) records that window's failure as it starts
+  again.
 
 SQLite commits and blob renames are atomic, and every write happens before the action that
 depends on it (a vote is stored before the attestation is sent), so a crash at any point
@@ -47,6 +50,7 @@ TRAINER_STATE_FILE = "trainer-state.safetensors"
 _VOTES = "votes"
 _EXPERIMENT = "experiment"
 _LISTEN_PORT = "listen_port"
+_TRAINING = "training"
 #: The kind of metrics reports, as records and on gossip.
 METRICS_KIND = "metrics"
 _MAX_LINK_BYTES = 1 << 20
@@ -88,6 +92,23 @@ class NodeStore:
 
     def remember_listen_port(self, port: int) -> None:
         self.state.set_meta(_LISTEN_PORT, str(port).encode())
+
+    # -- the window a trainer is training -------------------------------------------------
+
+    def begin_training(self, window: int) -> None:
+        self.state.set_meta(_TRAINING, str(window).encode())
+
+    def end_training(self) -> None:
+        self.state.set_meta(_TRAINING, b"")
+
+    def interrupted_training(self) -> int | None:
+        """The window whose training began and never ended (the process was killed), once:
+        it is cleared."""
+        raw = self.state.get_meta(_TRAINING)
+        if raw is None or not raw.isdigit():
+            return None
+        self.end_training()
+        return int(raw)
 
     # -- certified heads ------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from p2ptrain.node.data_import import import_prepared
 from p2ptrain.node.persist import NodeStore, decode_genesis
 from p2ptrain.protocol.retention import DEFAULT_KEEP_HEADS
 from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
+from p2ptrain.torch.pod import PodSettings
 
 __all__ = [
     "DEFAULT_DATA_CACHE_MB",
@@ -126,6 +127,8 @@ class NodeSettings:
     #: ``HOST:PORT`` of a listener of its own for ``/metrics`` and the dashboard (None:
     #: ``/metrics`` answers loopback callers of the node's server only).
     metrics_listen: str | None = None
+    #: This process's place in a pod of trainer ranks (``torchrun``); rank 0 is the node.
+    pod: PodSettings | None = None
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.roles if r not in ROLES]
@@ -154,6 +157,11 @@ class NodeSettings:
         if not 0 < self.join_timeout_s <= 3600:
             raise LocalError(
                 f"join timeout {self.join_timeout_s:g}s: use a value in (0, 3600] seconds"
+            )
+        if self.pod is not None and self.roles != ("trainer",):
+            raise LocalError(
+                f"a pod of {self.pod.world_size} ranks is one trainer: run it with the "
+                f"trainer role alone (roles given: {', '.join(self.roles)})"
             )
         if self.experiment_id is not None and not _is_hex_id(self.experiment_id):
             raise LocalError(f"experiment id {self.experiment_id!r:.80} is not 64 hex digits")

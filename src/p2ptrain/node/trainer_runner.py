@@ -56,7 +56,14 @@ from p2ptrain.protocol.trainer import TrainerMachine
 from p2ptrain.torch.capabilities import PreparedDataUser, RateScheduled
 from p2ptrain.torch.workload import Workload
 
-__all__ = ["TRAIN_STEP", "TrainerRunner", "inner_lr_scaler", "warn_if_other_lr", "window_seed"]
+__all__ = [
+    "TRAIN_STEP",
+    "TrainerRunner",
+    "TrainingInterrupted",
+    "inner_lr_scaler",
+    "warn_if_other_lr",
+    "window_seed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +110,19 @@ def warn_if_other_lr(workload: Workload, spec: InnerOptimizerSpec) -> str | None
     )
     logger.warning("%s", warning)
     return warning
+
+
+class TrainingInterrupted(LocalError):
+    """The trainer was killed while training a window (a rank of its pod died, it ran out
+    of memory): that window's update was never sent."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(
+            f"the trainer was stopped while training window {window} (a rank of its pod "
+            "died, or the process was killed); no update was sent for it, and it trains the "
+            "next window from its saved state"
+        )
+        self.window = window
 
 
 class TrainerRunner(RoleRunner):
@@ -156,8 +176,12 @@ class TrainerRunner(RoleRunner):
         yield "waiting to train", self._train_forever()
 
     def start(self, now: float) -> None:
-        """Train the window after the head we hold (restored or genesis)."""
+        """Train the window after the head we hold (restored or genesis); a window whose
+        training the last run did not finish (it was killed) is recorded as failed."""
         restore_trainer_state(self.store, self.services.experiment_id, self.workload, self._encoder)
+        interrupted = self.store.interrupted_training()
+        if interrupted is not None:
+            self.failed(TRAIN_STEP, interrupted, TrainingInterrupted(interrupted))
         super().start(now)
 
     def handlers(self) -> dict[type[Any], Callable[[Any], object]]:
@@ -229,7 +253,11 @@ class TrainerRunner(RoleRunner):
                 data_seconds=round(time.monotonic() - started, 3),
             )
         )
-        update = await asyncio.to_thread(self._train_window, action, base)
+        self.store.begin_training(action.window)
+        try:
+            update = await asyncio.to_thread(self._train_window, action, base)
+        finally:
+            self.store.end_training()
         blob, before, after = update.blob, update.loss_before, update.loss_after
         trained = Trained(
             peer_id=self.peer_id,

@@ -168,3 +168,17 @@ def test_a_full_window_closes_before_its_deadline(max_updates: int) -> None:
         assert proposed and participant.chain.height == 1  # a new window is open
     else:
         assert not proposed and participant.next_wakeup(2.0) == pytest.approx(100.0)
+
+
+def test_a_window_whose_training_never_ended_is_reported_once(tmp_path: Path) -> None:
+    with DataDir(tmp_path) as datadir:
+        store = NodeStore(datadir)
+        assert store.interrupted_training() is None
+        store.begin_training(5)
+        store.end_training()
+        assert store.interrupted_training() is None
+        store.begin_training(6)  # and the process is killed here
+    with DataDir(tmp_path) as datadir:
+        store = NodeStore(datadir)
+        assert store.interrupted_training() == 6
+        assert store.interrupted_training() is None
