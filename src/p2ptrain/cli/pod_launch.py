@@ -58,26 +58,11 @@ def pod_from_environment(
     a pod)."""
     if "TORCHELASTIC_RUN_ID" not in environ and "LOCAL_RANK" not in environ:
         return None
-    from p2ptrain.torch.pod import PodSettings
+    from p2ptrain.torch.pod import pod_settings
 
-    try:
-        agent_store = None
-        if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-            agent_store = (environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
-        return PodSettings(
-            rank=int(environ["RANK"]),
-            world_size=int(environ["WORLD_SIZE"]),
-            local_rank=int(environ.get("LOCAL_RANK", "0")),
-            restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            timeout_s=DEFAULT_POD_TIMEOUT_S if timeout_s is None else float(timeout_s),
-            agent_store=agent_store,
-        )
-    except (KeyError, ValueError) as exc:
-        raise LocalError(
-            f"this trainer runs under torchrun, but RANK / WORLD_SIZE are missing or not "
-            f"numbers ({exc}); start it with torchrun --nproc-per-node N -m p2ptrain train ... "
-            "or p2ptrain train --pod-ranks N"
-        ) from exc
+    return pod_settings(
+        environ, timeout_s=DEFAULT_POD_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    )
 
 
 def without_pod_ranks(argv: Sequence[str]) -> list[str]:

@@ -58,6 +58,7 @@ __all__ = [
     "PodSettings",
     "PodWrapped",
     "follow",
+    "pod_settings",
     "split_batch",
 ]
 
@@ -97,6 +98,29 @@ class PodSettings:
             )
         if not 0 < self.timeout_s <= 3600:
             raise LocalError(f"--pod-timeout-s {self.timeout_s:g}: use a value in (0, 3600]")
+
+
+def pod_settings(environ: Mapping[str, str], *, timeout_s: float) -> PodSettings:
+    """A rank's :class:`PodSettings` from the variables ``torchrun`` sets in its
+    environment (``environ``, given by the program that reads it)."""
+    try:
+        agent_store = None
+        if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            agent_store = (environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+        return PodSettings(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            timeout_s=timeout_s,
+            agent_store=agent_store,
+        )
+    except (KeyError, ValueError) as exc:
+        raise LocalError(
+            f"this trainer runs under torchrun, but RANK / WORLD_SIZE are missing or not "
+            f"numbers ({exc}); start it with torchrun --nproc-per-node N -m p2ptrain train ... "
+            "or p2ptrain train --pod-ranks N"
+        ) from exc
 
 
 @runtime_checkable
