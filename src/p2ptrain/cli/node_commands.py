@@ -84,6 +84,7 @@ _CONFIG_KEYS = {
     "pod_ranks",
     "pod_timeout_s",
     "pod_restarts",
+    "pod_wrap",
     *LOG_CONFIG_KEYS,
 }
 #: The node commands that take --evaluate: a validator or viewer (or any node) evaluates.
@@ -370,7 +371,7 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
     serving = any(r in _SERVING_ROLES for r in roles)
     host, port = _listen(pick("listen", "127.0.0.1:0" if serving else None))
     toml = pick("experiment_toml")
-    pod = pod_from_environment(os.environ, timeout_s=pick("pod_timeout_s"))
+    pod = pod_from_environment(os.environ, timeout_s=pick("pod_timeout_s"), wrap=pick("pod_wrap"))
     device = str(pick("device", "cpu"))
     if pod is not None and device == "cuda":
         device = f"cuda:{pod.local_rank}"  # one GPU per rank

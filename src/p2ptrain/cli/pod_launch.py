@@ -44,6 +44,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_POD_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--pod-wrap",
+        choices=("ddp", "fsdp2"),
+        help="how the pod's ranks hold the model: ddp (a whole copy each) or fsdp2 (sharded "
+        "among them, for a model that does not fit one device); default: the workload's "
+        "choice (pod_wrap), else ddp",
+    )
+    parser.add_argument(
         "--pod-restarts",
         type=int,
         help=f"how many times torchrun starts the pod again after a rank died (default "
@@ -52,7 +59,7 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pod_from_environment(
-    environ: Mapping[str, str], *, timeout_s: float | None
+    environ: Mapping[str, str], *, timeout_s: float | None, wrap: str | None = None
 ) -> PodSettings | None:
     """This process's place in a pod, from the variables ``torchrun`` sets (None: not in
     a pod)."""
@@ -61,7 +68,9 @@ def pod_from_environment(
     from p2ptrain.torch.pod import pod_settings
 
     return pod_settings(
-        environ, timeout_s=DEFAULT_POD_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        environ,
+        timeout_s=DEFAULT_POD_TIMEOUT_S if timeout_s is None else float(timeout_s),
+        wrap=wrap,
     )
 
 

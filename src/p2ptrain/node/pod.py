@@ -32,7 +32,7 @@ from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.workload_check import build_workload
 from p2ptrain.torch.placement import resolve_device
 from p2ptrain.torch.pod import PodGroup, PodReplica, PodSettings, follow, split_batch
-from p2ptrain.torch.weights import snapshot
+from p2ptrain.torch.pod_fsdp import make_replica
 from p2ptrain.torch.workload import (
     LOSS_AFTER_STEPS,
     TorchWorkload,
@@ -80,9 +80,8 @@ class PodWorkload:
         self.group = group
         self.replica = replica
         self._lr_scale: float | None = None
-        #: The ranks' optimizer states must be rank 0's: at the first window, and after a
-        #: restored state.
-        self._sync_optimizer = True
+        #: A restored optimizer state, loaded into every rank at the next window.
+        self._restored: dict[str, torch.Tensor] | None = None
         #: Why the pod's process groups can no longer be used (a collective failed).
         self.broken: BaseException | None = None
 
@@ -102,25 +101,25 @@ class PodWorkload:
     ) -> WindowResult:
         inner = self.inner
         plan = minibatch_plan(indices, steps=steps, batch_size=inner.batch_size, seed=seed)
+        state, self._restored = self._restored, None
         command = {
             "kind": "window",
             "steps": steps,
             "seed": seed,
             "lr_scale": self._lr_scale,
-            "sync_optimizer": self._sync_optimizer,
+            "sync_optimizer": bool(state),
         }
         try:
             self.group.send_command(command)
-            state = inner.optimizer_state() if self._sync_optimizer else None
             self.replica.begin(command, weights, state)
-            self._sync_optimizer = False
             losses = self.replica.steps(command, self._parts(plan))
+            self.replica.end()
         except RuntimeError as exc:  # a collective failed: a rank died, stalled or erred
             self.broken = exc
             raise PodBroken(self.group.world, self.group.settings.timeout_s, exc) from exc
         tail = losses[-LOSS_AFTER_STEPS:]
         return WindowResult(
-            weights=snapshot(self.replica.params),
+            weights=self.replica.weights(),
             loss_before=losses[0],
             loss_after=sum(tail) / len(tail),
             samples=steps * inner.batch_size,
@@ -157,11 +156,12 @@ class PodWorkload:
         return self.inner.base_lrs
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        return self.inner.optimizer_state()
+        """The pod's inner optimizer state after the last window (what the trainer saves)."""
+        return self.replica.optimizer_state()
 
     def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.inner.load_optimizer_state(tensors)
-        self._sync_optimizer = True
+        """A saved state, loaded into every rank when the next window begins."""
+        self._restored = dict(tensors)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
         return self.inner.initial_weights()
@@ -193,18 +193,21 @@ class PodWorkload:
 
 
 def form_pod(pod: PodSettings, workload: Workload, manifest: ExperimentManifest) -> PodWorkload:
-    """Rank 0: form the pod's process groups, tell the ranks the experiment, wait until each
-    built its workload, and wrap the model (blocking: run it off the event loop)."""
+    """Rank 0: form the pod's process groups, tell the ranks the experiment and the wrap,
+    wait until each built its workload, and wrap the model (blocking: run it off the event
+    loop)."""
     inner = _torch_workload(workload, 0)
+    wrap = pod.wrap or inner.pod_wrap
     group = PodGroup(pod, inner.device)
     try:
-        group.send_command({"kind": "experiment", "manifest": encode(manifest).hex()})
+        command = {"kind": "experiment", "manifest": encode(manifest).hex(), "wrap": wrap}
+        group.send_command(command)
         group.barrier()
-        replica = PodReplica(group, inner, batch_size=inner.batch_size)
+        replica = make_replica(group, inner, batch_size=inner.batch_size, wrap=wrap)
     except BaseException:
         group.close()
         raise
-    logger.info("pod of %d ranks formed (%s)", group.world, group.backend)
+    logger.info("pod of %d ranks formed (%s, %s)", group.world, group.backend, wrap)
     return PodWorkload(inner, group, replica)
 
 
@@ -227,7 +230,8 @@ def run_pod_rank(settings: NodeSettings, pod: PodSettings) -> int:
         if device.type != "cpu":
             workload.place(device)
         group.barrier()
-        replica = PodReplica(group, workload, batch_size=workload.batch_size)
+        wrap = str(command.get("wrap", "ddp"))
+        replica = make_replica(group, workload, batch_size=workload.batch_size, wrap=wrap)
         logger.info("pod rank %d of %d: ready (pid in the pod's log)", pod.rank, pod.world_size)
 
         def starting(window: dict[str, Any]) -> None:

@@ -49,7 +49,8 @@ from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import BatchLoss, inner_step
 from p2ptrain.torch.optimizer_state import flatten_optimizer_state, restore_optimizer_state
 from p2ptrain.torch.placement import seeded_rng
-from p2ptrain.torch.weights import load_weights, parameter_names
+from p2ptrain.torch.weights import load_weights, parameter_names, snapshot
+from p2ptrain.torch.workload import scale_learning_rates
 
 __all__ = [
     "COMMAND_TIMEOUT",
@@ -89,6 +90,8 @@ class PodSettings:
     #: The store ``torchrun``'s agent hosts for the ranks (``MASTER_ADDR:MASTER_PORT``
     #: with ``TORCHELASTIC_USE_AGENT_STORE``); None: ``init_method="env://"``.
     agent_store: tuple[str, int] | None = None
+    #: How the ranks wrap the model: ``ddp``, ``fsdp2``, or None for the workload's choice.
+    wrap: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -98,9 +101,13 @@ class PodSettings:
             )
         if not 0 < self.timeout_s <= 3600:
             raise LocalError(f"--pod-timeout-s {self.timeout_s:g}: use a value in (0, 3600]")
+        if self.wrap not in (None, "ddp", "fsdp2"):
+            raise LocalError(f"--pod-wrap {self.wrap!r}: use ddp or fsdp2")
 
 
-def pod_settings(environ: Mapping[str, str], *, timeout_s: float) -> PodSettings:
+def pod_settings(
+    environ: Mapping[str, str], *, timeout_s: float, wrap: str | None = None
+) -> PodSettings:
     """A rank's :class:`PodSettings` from the variables ``torchrun`` sets in its
     environment (``environ``, given by the program that reads it)."""
     try:
@@ -114,6 +121,7 @@ def pod_settings(environ: Mapping[str, str], *, timeout_s: float) -> PodSettings
             restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             timeout_s=timeout_s,
             agent_store=agent_store,
+            wrap=wrap,
         )
     except (KeyError, ValueError) as exc:
         raise LocalError(
@@ -326,16 +334,14 @@ def split_batch(indices: Sequence[int], parts: int) -> list[list[int]]:
 
 
 class PodReplica:
-    """One rank's replica of the pod's model: its workload's model wrapped for the pod, and
-    the inner steps of a window on the rank's parts of the minibatches."""
+    """One rank's replica of the pod's model, wrapped in DDP (or by the workload's own
+    :class:`PodWrapped` hook), and the inner steps of a window on the rank's parts of the
+    minibatches. :class:`~p2ptrain.torch.pod_fsdp.ShardedReplica` shards it instead."""
 
-    def __init__(
-        self,
-        group: PodGroup,
-        workload: Any,
-        *,
-        batch_size: int,
-    ) -> None:
+    #: The wrap, as ``--pod-wrap`` names it.
+    wrap = "ddp"
+
+    def __init__(self, group: PodGroup, workload: Any, *, batch_size: int) -> None:
         if batch_size < group.world:
             raise LocalError(
                 f"a pod of {group.world} ranks splits every minibatch among its ranks, and the "
@@ -345,18 +351,21 @@ class PodReplica:
         self.workload = workload
         self.model: nn.Module = workload.model
         self.optimizer: torch.optim.Optimizer = workload.optimizer
+        self.base_lrs: tuple[float, ...] = tuple(workload.base_lrs)
         self.batch_loss: BatchLoss = workload.batch_loss
         self.autocast_dtype: torch.dtype | None = workload.autocast_dtype
         self.params = parameter_names(self.model)
         self.device = next(self.model.parameters()).device
+        self.wrapped = self._wrap(workload)
+
+    def _wrap(self, workload: Any) -> nn.Module:
         if isinstance(workload, PodWrapped):
-            self.wrapped = workload.wrap_for_pod(self.model, group.work)
-        else:
-            self.wrapped = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                process_group=group.work,
-            )
+            return workload.wrap_for_pod(self.model, self.group.work)
+        return DistributedDataParallel(
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.group.work,
+        )
 
     def begin(
         self,
@@ -366,6 +375,15 @@ class PodReplica:
     ) -> None:
         """Start a window: rank 0's weights (and optimizer state, when the command says so)
         on every rank, and the command's learning-rate scale."""
+        self.load_weights(weights)
+        if command.get("sync_optimizer"):
+            self.load_optimizer_state(optimizer_state)
+        scale = command.get("lr_scale")
+        if scale is not None:
+            scale_learning_rates(self.optimizer, self.base_lrs, float(scale))
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Rank 0's ``weights`` (None on the other ranks) into every rank's replica."""
         if self.group.rank == 0:
             assert weights is not None
             load_weights(self.params, weights)
@@ -376,13 +394,11 @@ class PodReplica:
                 dist.broadcast(moved, src=0, group=self.group.work)
                 if moved.data_ptr() != data.data_ptr():
                     data.copy_(moved)
-        if command.get("sync_optimizer"):
-            state = self.group.broadcast_tensors(optimizer_state if self.group.rank == 0 else None)
-            if self.group.rank != 0:
-                restore_optimizer_state(self.optimizer, self.params, state)
-        scale = command.get("lr_scale")
-        if scale is not None:
-            self.workload.set_lr_scale(float(scale))
+
+    def load_optimizer_state(self, state: Mapping[str, torch.Tensor] | None) -> None:
+        """Rank 0's optimizer ``state`` (None on the other ranks) into every rank's."""
+        tensors = self.group.broadcast_tensors(state if self.group.rank == 0 else None)
+        restore_optimizer_state(self.optimizer, self.params, tensors)
 
     def steps(self, command: Mapping[str, Any], batches: Iterator[tuple[Any, int]]) -> list[float]:
         """Run the window's steps, one per ``(batch, size)``; the losses of the pod's steps
@@ -404,7 +420,16 @@ class PodReplica:
         values: list[float] = (totals / counts).tolist()
         return values
 
+    def end(self) -> None:
+        """After the window's steps, on every rank (a sharded replica gathers here what
+        rank 0 reads next)."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the replica's weights after the window (float32 CPU copies)."""
+        return snapshot(self.params)
+
     def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the optimizer state after the window, flat (as a trainer saves it)."""
         return flatten_optimizer_state(self.optimizer, self.params)
 
 
@@ -425,4 +450,5 @@ def follow(
         replica.begin(command, None, None)
         steps = int(command["steps"])
         replica.steps(command, (group.receive_batch() for _ in range(steps)))
+        replica.end()
         trained += 1

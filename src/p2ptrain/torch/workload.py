@@ -192,7 +192,9 @@ class TorchWorkload:
     held-out shards), taken again whenever :meth:`use_data` attaches data; without one the
     workload has no validation data (:attr:`validation_missing` says why).
     ``example_rows``: rows of the data's form (a few suffice) that :meth:`dry_run` runs on
-    when neither training nor validation rows are on this machine yet.
+    when neither training nor validation rows are on this machine yet. ``pod_wrap``: how a
+    pod of ranks wraps the model, ``"ddp"`` or ``"fsdp2"`` (sharded, for a model that does
+    not fit one device).
     """
 
     def __init__(
@@ -216,7 +218,13 @@ class TorchWorkload:
         tokenizer: TokenizerSpec | None = None,
         val_from_data: bool = False,
         example_rows: MapDataset | None = None,
+        pod_wrap: str = "ddp",
     ) -> None:
+        if pod_wrap not in ("ddp", "fsdp2"):
+            raise LocalError(f"pod_wrap {pod_wrap!r}: use 'ddp' or 'fsdp2'")
+        #: How a pod wraps the model (``--pod-wrap`` overrides it): DDP, or FSDP2 for a
+        #: model that does not fit one device.
+        self.pod_wrap = pod_wrap
         if batch_size < 1 or val_batches < 1:
             raise LocalError(
                 f"batch_size and val_batches must be positive, got {batch_size}, {val_batches}"

@@ -37,6 +37,7 @@ PARTS = (
     "samples_per_shard",
     "name",
     "val_batches",
+    "pod_wrap",
 )
 
 
@@ -84,4 +85,5 @@ def workload_from_parts(parts: Mapping[str, Any], *, where: str) -> TorchWorkloa
         batch_loss=loss,
         collate_fn=parts.get("collate"),
         val_batches=int(parts.get("val_batches", 8)),
+        pod_wrap=str(parts.get("pod_wrap", "ddp")),
     )

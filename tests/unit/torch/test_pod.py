@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 from p2ptrain.errors import LocalError
 from p2ptrain.node.pod import PodWorkload
 from p2ptrain.torch.pod import PodGroup, PodReplica, PodSettings, split_batch
+from p2ptrain.torch.pod_fsdp import ShardedReplica, make_replica
 from p2ptrain.torch.workload import TorchWorkload
 
 SEED = 99
@@ -88,3 +89,28 @@ def test_a_pod_needs_batches_of_at_least_one_sample_per_rank(one_rank: PodGroup)
     inner = _workload()
     with pytest.raises(LocalError, match="use at most 0 ranks"):
         PodReplica(one_rank, inner, batch_size=0)
+
+
+def test_a_one_rank_sharded_pod_trains_as_a_single_trainer(one_rank: PodGroup) -> None:
+    """FSDP2 over one rank: the same steps (its reductions may round differently), and the
+    weights and optimizer state come back whole on rank 0, in the trainer's names."""
+    single, inner = _workload(dropout=0.0), _workload(dropout=0.0)
+    replica = make_replica(one_rank, inner, batch_size=inner.batch_size, wrap="fsdp2")
+    assert isinstance(replica, ShardedReplica)
+    pod = PodWorkload(inner, one_rank, replica)
+    base = single.initial_weights()
+    indices = list(range(40))
+    expected = single.train_window(base, indices, steps=6, seed=5)
+    got = pod.train_window(base, indices, steps=6, seed=5)
+    assert got.weights.keys() == expected.weights.keys()
+    for name, tensor in expected.weights.items():
+        torch.testing.assert_close(got.weights[name], tensor, rtol=1e-5, atol=1e-6)
+    assert got.loss_before == pytest.approx(expected.loss_before, rel=1e-6)
+    state = pod.optimizer_state()
+    assert state.keys() == single.optimizer_state().keys()
+    # a restored state reaches the shards at the next window
+    pod.load_optimizer_state(single.optimizer_state())
+    again = pod.train_window(expected.weights, indices, steps=2, seed=6)
+    reference = single.train_window(expected.weights, indices, steps=2, seed=6)
+    for name, tensor in reference.weights.items():
+        torch.testing.assert_close(again.weights[name], tensor, rtol=1e-5, atol=1e-6)
