@@ -409,7 +409,8 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
 def run_node_command(args: argparse.Namespace) -> int:
     config = _config(args.config)
     ranks = getattr(args, "pod_ranks", None)
-    ranks = config.get("pod_ranks") if ranks is None else ranks
+    if ranks is None and "LOCAL_RANK" not in os.environ:  # (in the pod: what started it)
+        ranks = config.get("pod_ranks")
     if ranks is not None:  # torchrun runs this command again, on each rank
         restarts = getattr(args, "pod_restarts", None)
         restarts = config.get("pod_restarts") if restarts is None else restarts
