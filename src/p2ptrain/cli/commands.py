@@ -48,6 +48,10 @@ COMMANDS: dict[str, Command] = {
         "sim_commands", "simulate a whole network (virtual time) on the real protocol code"
     ),
     "data": Command("data_commands", "prepare a dataset as shard files that peers fetch by hash"),
+    "cluster": Command(
+        "cluster_command",
+        "train with the machines of your LAN as one synchronous cluster (mDNS, DDP)",
+    ),
 }
 
 
