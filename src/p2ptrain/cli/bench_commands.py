@@ -61,7 +61,7 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     aggregate.set_defaults(handler=run_aggregate)
 
     _add_data(sub)
-    _add_convergence(sub)
+    _add_systems(sub)
 
     transfer = sub.add_parser(
         "transfer",
@@ -201,6 +201,60 @@ def _add_trainer_memory(sub: Any) -> None:
     memory.add_argument("--codec", default="int8", help="the trainer's update codec (int8)")
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(handler=run_trainer_memory)
+
+
+def _add_systems(sub: Any) -> None:
+    """The benchmarks of whole systems: the network against DDP and hivemind, and pods."""
+    _add_convergence(sub)
+    _add_pods(sub)
+
+
+def _add_pods(sub: Any) -> None:
+    pods = sub.add_parser(
+        "pods",
+        help="pods and home clusters on torch.distributed: scaling, gradient sync, re-forming",
+        description="Samples/s of one trainer as a pod of 1 and 2 CPU ranks and the scaling "
+        "efficiency; the cluster's gradient-sync throughput (fp32 bytes per second through "
+        "its compression hook) against a raw gloo all-reduce of the same tensors, on loopback "
+        "and (root) on links shaped to --link-mbit in network namespaces; the seconds from "
+        "a cluster member's or the leader's SIGKILL to the next completed step.",
+    )
+    pods.add_argument("--windows", type=int, default=3, help="timed pod windows (default 3)")
+    pods.add_argument("--steps", type=int, default=20, help="inner steps a window (default 20)")
+    pods.add_argument(
+        "--sync-params",
+        type=int,
+        default=10_000_000,
+        help="fp32 gradient values synchronised (default 10,000,000)",
+    )
+    pods.add_argument("--repeats", type=int, default=5, help="timed syncs (default 5)")
+    pods.add_argument(
+        "--link-mbit", type=float, default=100.0, help="shaped link rate (default 100)"
+    )
+    pods.add_argument(
+        "--no-reform", dest="reform", action="store_false", help="skip the re-forming figures"
+    )
+    pods.add_argument("--workdir", help="directory for temporary files (default: system temp)")
+    pods.add_argument("--json", action="store_true", help="print one JSON object")
+    pods.set_defaults(handler=run_pods)
+
+
+def run_pods(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2ptrain.bench.pods import run_pods_bench
+
+    result = run_pods_bench(
+        windows=args.windows,
+        steps=args.steps,
+        sync_params=args.sync_params,
+        repeats=args.repeats,
+        link_mbit=args.link_mbit,
+        reform=args.reform,
+        workdir=None if args.workdir is None else Path(args.workdir),
+    )
+    _emit(result, args.json)
+    return 0
 
 
 def _emit(result: dict[str, Any], as_json: bool) -> None:

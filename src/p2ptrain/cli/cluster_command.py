@@ -20,8 +20,8 @@ from p2ptrain.errors import LocalError
 if TYPE_CHECKING:  # the runtime (torch) is imported by the handler
     from p2ptrain.cluster.events import ClusterEvent
 
-_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-_DEFAULTS = {"workload": "char-gpt", "compression": "fp16", "collective_timeout_s": 30.0}
+_COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
+_DEFAULTS = {"workload": "char-gpt", "compression": "auto", "collective_timeout_s": 30.0}
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -67,8 +67,9 @@ def add_parsers(commands: Any, data_dir: str) -> None:
         "--compression",
         choices=_COMPRESSIONS,
         default=_DEFAULTS["compression"],
-        help="how gradients travel: torch's DDP hooks fp16 (default), bf16 (needs NCCL), "
-        "PowerSGD with error feedback, or none",
+        help="how gradients travel: auto (default: measured at each re-form, PowerSGD with "
+        "error feedback on links slower than 250 MB/s, plain fp32 on faster ones), or "
+        "always one of torch's DDP hooks: fp16, bf16 (needs NCCL), powersgd, or none",
     )
     cluster.add_argument(
         "--collective-timeout-s",

@@ -12,14 +12,34 @@ from pathlib import Path
 
 from p2ptrain.errors import LocalError
 
-__all__ = ["BACKEND", "COMPRESSIONS", "ClusterSettings", "ConfigValue", "compression_problem"]
+__all__ = [
+    "AUTO_COMPRESS_BELOW",
+    "BACKEND",
+    "COMPRESSIONS",
+    "ClusterSettings",
+    "ConfigValue",
+    "choose_compression",
+    "compression_problem",
+]
 
 ConfigValue = str | int | float | bool
-#: How DDP's gradients travel (torch's communication hooks).
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+#: How DDP's gradients travel (torch's communication hooks); ``auto`` chooses per generation.
+COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
+#: ``auto`` compresses (PowerSGD) when a plain fp32 all-reduce among the generation's members
+#: synchronises fewer bytes per second than this, and sends plain fp32 otherwise. Measured
+#: with ``p2ptrain bench pods`` on 2 CPU cores: PowerSGD's own work caps it near 320 MB/s of
+#: fp32 gradients and fp16's near 550 MB/s, while loopback moves 1.1-1.3 GB/s plain (so
+#: compressing there only costs), and a 100 Mbit/s link 12 MB/s (PowerSGD: 27x, fp16: 2x).
+AUTO_COMPRESS_BELOW = 250e6
 #: The process group's backend: gloo runs on any machine and keeps its timeouts.
 BACKEND = "gloo"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def choose_compression(fp32_bytes_per_s: float) -> str:
+    """What ``auto`` uses on links where a plain fp32 all-reduce moves ``fp32_bytes_per_s``:
+    ``powersgd`` (with error feedback) on slow links, ``none`` on fast ones."""
+    return "powersgd" if fp32_bytes_per_s < AUTO_COMPRESS_BELOW else "none"
 
 
 def compression_problem(compression: str, backend: str) -> str | None:
@@ -27,7 +47,8 @@ def compression_problem(compression: str, backend: str) -> str | None:
     if compression == "bf16" and backend != "nccl":
         return (
             f"--compression bf16: torch's bf16 hook needs the NCCL backend (CUDA 11+, NCCL "
-            f"2.10+), and this cluster trains on {backend}: use fp16 (the default) or powersgd"
+            f"2.10+), and this cluster trains on {backend}: use auto (the default), fp16 or "
+            "powersgd"
         )
     return None
 
@@ -64,7 +85,7 @@ class ClusterSettings:
     peers: tuple[str, ...] = ()
     #: Stop after this many completed steps (None: until stopped).
     steps: int | None = None
-    compression: str = "fp16"
+    compression: str = "auto"
     collective_timeout_s: float = 30.0
     #: The first generation forms once this many members (this one included) are ready.
     wait_for: int = 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -45,7 +46,12 @@ from torch.nn.parallel import DistributedDataParallel
 from p2ptrain.cluster.interfaces import interface_holding
 from p2ptrain.cluster.membership import GenerationPlan
 from p2ptrain.cluster.rendezvous import connect_generation_store
-from p2ptrain.cluster.settings import BACKEND, ClusterSettings, compression_problem
+from p2ptrain.cluster.settings import (
+    BACKEND,
+    ClusterSettings,
+    choose_compression,
+    compression_problem,
+)
 from p2ptrain.errors import LocalError
 from p2ptrain.torch.batch_loss import CLIP_NORM, loss_problem, to_device
 from p2ptrain.torch.optimizer_state import flatten_optimizer_state, restore_optimizer_state
@@ -60,6 +66,8 @@ __all__ = [
     "StepReport",
     "build_replica",
 ]
+
+logger = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 1 << 24
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -136,6 +144,8 @@ class Replica:
         self._params = parameter_names(self.model)
         self.completed_step = 0
         self.samples_seen = 0
+        #: What the gradients travel as in the current generation (``auto``'s choice).
+        self.chosen = compression
 
     def run(
         self,
@@ -173,9 +183,24 @@ class Replica:
         vote: Callable[[], bool],
         on_step: Callable[[StepReport], None],
     ) -> Outcome:
-        ddp = DistributedDataParallel(self.model, init_sync=False)
+        compression = self.compression
+        if compression == "auto":
+            compression = choose_compression(self._probe())
+            logger.info("generation %d: gradients travel as %s", plan.number, compression)
+        self.chosen = compression
+        parameter_mib = sum(p.numel() * p.element_size() for p in self._params.values()) / 2**20
+        ddp = DistributedDataParallel(
+            self.model,
+            init_sync=False,
+            # gradients live in DDP's buckets: no copy in or out (nearly raw gloo's speed)
+            gradient_as_bucket_view=True,
+            # PowerSGD issues its later all-reduces from gloo's threads: with two buckets in
+            # flight the ranks can issue them in different orders and wait for each other
+            # for good, so under PowerSGD every gradient goes in one bucket
+            bucket_cap_mb=parameter_mib + 1 if compression == "powersgd" else None,
+        )
         try:
-            self._register_hook(ddp, plan)
+            self._register_hook(ddp, plan, compression)
             ddp.train()  # type: ignore[no-untyped-call]
             while self.steps is None or self.completed_step < self.steps:
                 last = self.steps is not None and self.completed_step + 1 >= self.steps
@@ -191,12 +216,28 @@ class Replica:
         finally:
             del ddp  # its reducer's hooks leave the parameters with it
 
-    def _register_hook(self, ddp: DistributedDataParallel, plan: GenerationPlan) -> None:
-        if self.compression == "fp16":
+    def _probe(self) -> float:
+        """The fp32 bytes per second a plain all-reduce among this generation's members
+        synchronises (4 MiB, the median of three after one to warm up; the slowest
+        member's, so every member chooses alike)."""
+        probe = torch.zeros(1 << 20, dtype=torch.float32)
+        seconds = []
+        for _ in range(4):
+            started = time.perf_counter()
+            dist.all_reduce(probe)
+            seconds.append(time.perf_counter() - started)
+        slowest = torch.tensor([sorted(seconds[1:])[1]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return probe.numel() * probe.element_size() / max(float(slowest), 1e-9)
+
+    def _register_hook(
+        self, ddp: DistributedDataParallel, plan: GenerationPlan, compression: str
+    ) -> None:
+        if compression == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif self.compression == "bf16":
+        elif compression == "bf16":
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif self.compression == "powersgd":
+        elif compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=1,

@@ -18,6 +18,7 @@ from p2ptrain.cluster.membership import (
     plan_generation,
     seniority,
 )
+from p2ptrain.cluster.settings import AUTO_COMPRESS_BELOW, choose_compression
 
 
 def member(peer: str, since: int | None = None, step: int = 0, generation: int = -1) -> Member:
@@ -158,3 +159,10 @@ def test_give_up_only_when_nobody_proved_the_secret_and_somebody_refused() -> No
 def test_lost_members_are_the_previous_ones_not_alive_but_never_oneself() -> None:
     assert lost_members(("a", "b", "c"), {"b"}, me="c") == ["a"]
     assert lost_members(("a", "b"), {"a", "b"}, me="a") == []
+
+
+def test_auto_compresses_only_on_links_slower_than_the_threshold() -> None:
+    assert choose_compression(12e6) == "powersgd"  # 100 Mbit/s
+    assert choose_compression(AUTO_COMPRESS_BELOW * 0.99) == "powersgd"
+    assert choose_compression(AUTO_COMPRESS_BELOW) == "none"
+    assert choose_compression(1.2e9) == "none"  # loopback
