@@ -72,7 +72,8 @@ class ShardedReplica(PodReplica):
             for group in old.param_groups
         ]
         try:
-            self.optimizer = type(old)(groups)  # every group carries its settings
+            build: Any = type(old)  # e.g. AdamW(params): every group carries its settings
+            self.optimizer = build(groups)
         except TypeError as exc:
             raise LocalError(
                 f"--pod-wrap fsdp2: the inner optimizer {type(old).__name__} cannot be built "
