@@ -146,6 +146,9 @@ class Replica:
         self.samples_seen = 0
         #: What the gradients travel as in the current generation (``auto``'s choice).
         self.chosen = compression
+        #: Failed generations' process groups, kept until they can be released safely
+        #: (:meth:`_retire`).
+        self._retired: list[tuple[float, Any]] = []
 
     def run(
         self,
@@ -158,6 +161,8 @@ class Replica:
     ) -> Outcome:
         """Train generation ``plan`` as ``rank`` until it ends (see the module docstring).
         ``store`` is the leader's own store on rank 0, None elsewhere."""
+        self._bury_released()
+        failed = False
         try:
             if store is None:
                 store = connect_generation_store(
@@ -170,11 +175,30 @@ class Replica:
             self._sync(plan.source_rank, rank)
             return self._train(plan, rank, vote, on_step)
         except RuntimeError as exc:  # gloo's failures and timeouts, torch.distributed's
+            failed = True
             return Outcome("failed", self.completed_step, _first_line(exc))
         finally:
             if dist.is_initialized():
+                if failed:  # see _retire
+                    self._retire(dist.group.WORLD)
                 with contextlib.suppress(RuntimeError):
                     dist.destroy_process_group()
+
+    def _retire(self, group: Any) -> None:
+        """Keep a failed generation's process group referenced for a while (not its DDP
+        wrapper, whose hooks must leave the parameters).
+        After a collective failed, gloo's worker threads may still hold work of that
+        generation (another bucket's all-reduce waiting on the dead member until its
+        timeout); were the last reference to the group dropped there, the group's
+        destructor would run on that very thread, join it, and abort the process
+        ("Resource deadlock avoided"). Released here, on this thread, once every such work
+        has surely ended (twice the collective timeout later)."""
+        until = time.monotonic() + 2 * self.timeout.total_seconds()
+        self._retired.append((until, group))
+
+    def _bury_released(self) -> None:
+        now = time.monotonic()
+        self._retired = [entry for entry in self._retired if entry[0] > now]
 
     def _train(
         self,
