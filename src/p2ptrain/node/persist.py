@@ -13,7 +13,7 @@
   evaluator; at most one per evaluator and head, at most 64 evaluators per head, kept as
   long as the head);
 * a trainer's inner optimizer state (``trainer-state.safetensors``), written atomically
-  after each window, and the window it is training (``meta['training']``, cleared when the
+  after each window, and the window it is training (``training-window``, removed when the
   window's training ends), so that a trainer killed in the middle of a window (a rank of
   its pod died, the machine ran out of memory) records that window's failure as it starts
   again.
@@ -50,7 +50,8 @@ TRAINER_STATE_FILE = "trainer-state.safetensors"
 _VOTES = "votes"
 _EXPERIMENT = "experiment"
 _LISTEN_PORT = "listen_port"
-_TRAINING = "training"
+#: The window a trainer is training (see :meth:`NodeStore.begin_training`).
+TRAINING_FILE = "training-window"
 #: The kind of metrics reports, as records and on gossip.
 METRICS_KIND = "metrics"
 _MAX_LINK_BYTES = 1 << 20
@@ -95,20 +96,29 @@ class NodeStore:
 
     # -- the window a trainer is training -------------------------------------------------
 
+    # A small file, not a database transaction: written before every window's training and
+    # removed after it, it must cost the trainer nothing (no fsync: a power cut loses only
+    # this record of a failure).
+
     def begin_training(self, window: int) -> None:
-        self.state.set_meta(_TRAINING, str(window).encode())
+        self._training_path().write_text(str(window), encoding="ascii")
 
     def end_training(self) -> None:
-        self.state.set_meta(_TRAINING, b"")
+        self._training_path().unlink(missing_ok=True)
 
     def interrupted_training(self) -> int | None:
         """The window whose training began and never ended (the process was killed), once:
         it is cleared."""
-        raw = self.state.get_meta(_TRAINING)
-        if raw is None or not raw.isdigit():
+        path = self._training_path()
+        try:
+            raw = path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
             return None
         self.end_training()
-        return int(raw)
+        return int(raw) if raw.isdigit() else None
+
+    def _training_path(self) -> Path:
+        return self.datadir.path / TRAINING_FILE
 
     # -- certified heads ------------------------------------------------------------------
 
