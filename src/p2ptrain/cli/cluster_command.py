@@ -18,10 +18,13 @@ from p2ptrain.cli.commands import add_command
 from p2ptrain.errors import LocalError
 
 if TYPE_CHECKING:  # the runtime (torch) is imported by the handler
+    from p2ptrain.cli.cluster_pod import PodNetwork
     from p2ptrain.cluster.events import ClusterEvent
 
 _COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
-_DEFAULTS = {"workload": "char-gpt", "compression": "auto", "collective_timeout_s": 30.0}
+_WORKLOAD, _COMPRESSION, _COLLECTIVE_TIMEOUT_S = "char-gpt", "auto", 30.0
+#: What a cluster in a network takes from the experiment instead (the option, its flag).
+_OWN_TRAINING = (("config", "--config"), ("steps", "--steps"), ("compression", "--compression"))
 
 
 def add_parsers(commands: Any, data_dir: str) -> None:
@@ -35,7 +38,9 @@ def add_parsers(commands: Any, data_dir: str) -> None:
         "When a member (or the leader) dies the others re-form and go on from the last "
         "completed step; a new member joins at the next re-form. torch.distributed's store "
         "and collectives are neither authenticated nor encrypted: run a cluster on a trusted "
-        "LAN or a VPN only (docs/clusters.md).",
+        "LAN or a VPN only (docs/clusters.md). With --experiment and --bootstrap the "
+        "cluster trains in that p2ptrain network as one pod trainer: its leader runs the "
+        "trainer node and every member is a rank of its pod.",
     )
     cluster.add_argument(
         "--secret-file",
@@ -50,23 +55,45 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     )
     cluster.add_argument(
         "--workload",
-        default=_DEFAULTS["workload"],
         help="what to train: a built-in name or path/file.py:factory or package.module:factory "
-        "(default: char-gpt)",
+        "(default: char-gpt; with --experiment: the experiment's own)",
     )
     cluster.add_argument(
         "--config",
         action="append",
-        default=[],
         metavar="KEY=VALUE",
         help="a setting of the workload's config (repeatable; numbers and true/false are "
         "read as such)",
     )
     cluster.add_argument("--steps", type=int, help="stop after this many completed steps")
+    network = cluster.add_argument_group(
+        "training in a p2ptrain network as one pod trainer",
+        "the experiment fixes the workload's config and the steps, and the pod's gradients "
+        "travel plain (DDP): --config, --steps and --compression do not apply",
+    )
+    network.add_argument(
+        "--experiment", help="the experiment id to train in (as p2ptrain train takes it)"
+    )
+    network.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a peer of the network to join through (repeatable; needed with --experiment)",
+    )
+    network.add_argument(
+        "--network-secret-file",
+        help="the network's admission secret (p2ptrain train's --secret-file), if it has one",
+    )
+    network.add_argument(
+        "--device",
+        default="cpu",
+        help="where each member's rank trains: cpu (default; the pod's collectives run on "
+        "gloo) or cuda (one GPU per member; NCCL)",
+    )
     cluster.add_argument(
         "--compression",
         choices=_COMPRESSIONS,
-        default=_DEFAULTS["compression"],
         help="how gradients travel: auto (default: measured at each re-form, PowerSGD with "
         "error feedback on links slower than 250 MB/s, plain fp32 on faster ones), or "
         "always one of torch's DDP hooks: fp16, bf16 (needs NCCL), powersgd, or none",
@@ -74,7 +101,7 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     cluster.add_argument(
         "--collective-timeout-s",
         type=float,
-        default=_DEFAULTS["collective_timeout_s"],
+        default=_COLLECTIVE_TIMEOUT_S,
         help="seconds a collective may take before the members re-form without the silent "
         "ones (default 30)",
     )
@@ -171,6 +198,42 @@ def parse_config(pairs: list[str]) -> dict[str, str | int | float | bool]:
     return config
 
 
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def _pod_network(args: argparse.Namespace) -> PodNetwork | None:
+    """The network to train in as one pod (``--experiment``), checked; None: on our own."""
+    from p2ptrain.cli.cluster_pod import PodNetwork
+
+    if args.experiment is None:
+        if args.bootstrap or args.network_secret_file:
+            raise LocalError(
+                "--bootstrap / --network-secret-file without --experiment: give the "
+                "experiment id the cluster trains in, or leave them out"
+            )
+        return None
+    if not args.bootstrap:
+        raise LocalError(
+            f"--experiment {args.experiment}: give --bootstrap URL, a peer of that network "
+            "(the seed's address, for example)"
+        )
+    for name, flag in _OWN_TRAINING:
+        if getattr(args, name) is not None:
+            raise LocalError(
+                f"{flag} with --experiment: the experiment fixes the workload's config and "
+                "the windows, and a pod's gradients travel plain; leave it out"
+            )
+    secret = args.network_secret_file
+    return PodNetwork(
+        experiment=args.experiment,
+        bootstrap=tuple(args.bootstrap),
+        secret_file=None if secret is None else Path(secret),
+        workload=args.workload,
+        device=args.device,
+    )
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -180,11 +243,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     from p2ptrain.store.datadir import DataDirLock
     from p2ptrain.store.keyfile import create_identity, identity_path, load_identity
 
+    network = _pod_network(args)
     settings = ClusterSettings(
         secret=read_secret(args.secret_file),
         data_dir=Path(args.dir),
-        workload=args.workload,
-        config=parse_config(args.config),
+        workload=args.workload or ("" if network else _WORKLOAD),
+        config=parse_config(args.config or []),
         name=args.name,
         host=args.host,
         port=args.port,
@@ -192,7 +256,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         mdns_interfaces=None if args.listen_interface is None else tuple(args.listen_interface),
         peers=tuple(args.peer),
         steps=args.steps,
-        compression=args.compression,
+        # a pod trainer's gradients travel plain, under the pod's DDP
+        compression="none" if network else args.compression or _COMPRESSION,
         collective_timeout_s=args.collective_timeout_s,
         wait_for=args.wait_for,
         discovery_s=args.discovery_s,
@@ -200,6 +265,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         gloo_interface=os.environ.get("GLOO_SOCKET_IFNAME") or None,
+        experiment=None if network is None else network.experiment,
     )
     lock = DataDirLock(settings.data_dir)
     try:
@@ -211,7 +277,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         def show(event: ClusterEvent) -> None:
             print(encode_event(event) if args.json else describe(event), flush=True)
 
-        member = ClusterMember(settings, identity, on_event=show)
+        if network is None:
+            member = ClusterMember(settings, identity, on_event=show)
+        else:
+            from p2ptrain.cli.cluster_pod import pod_generations
+
+            relay = print_line if args.json else None  # the node's events among ours
+            build = pod_generations(network, relay)
+            member = ClusterMember(settings, identity, on_event=show, build=build)
         try:
             asyncio.run(member.run())
         except asyncio.CancelledError:

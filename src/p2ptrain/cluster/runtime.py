@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -65,9 +65,9 @@ from p2ptrain.errors import LocalError
 from p2ptrain.net.mdns import LanDiscovery, LanPeer
 
 if TYPE_CHECKING:  # torch: imported by the training thread, while the member meets others
-    from p2ptrain.cluster.training import Outcome, Replica, StepReport
+    from p2ptrain.cluster.training import Outcome, StepReport
 
-__all__ = ["ClusterMember", "ClusterRefused"]
+__all__ = ["ClusterMember", "ClusterRefused", "Generations"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,27 @@ class ClusterRefused(LocalError):
     exit_code = 3
 
 
-def _build_replica(settings: ClusterSettings, host: str) -> Replica:
+class Generations(Protocol):
+    """What trains the member's generations: the cluster's own :class:`~.training.Replica`,
+    or a pod trainer in a p2ptrain network (``p2ptrain cluster --experiment``)."""
+
+    #: The steps (or windows) completed, as this member tells the others.
+    completed_step: int
+
+    def run(
+        self,
+        plan: GenerationPlan,
+        rank: int,
+        *,
+        store: Any,
+        vote: Callable[[], bool],
+        on_step: Callable[[StepReport], None],
+    ) -> Outcome:
+        """Train generation ``plan`` as ``rank`` until it ends (blocking: a thread's)."""
+        ...
+
+
+def _build_replica(settings: ClusterSettings, host: str) -> Generations:
     from p2ptrain.cluster.training import build_replica
 
     return build_replica(settings, host)
@@ -97,8 +117,10 @@ class ClusterMember:
         *,
         on_event: Callable[[events.ClusterEvent], None],
         clock: Callable[[], float] = time.monotonic,
+        build: Callable[[ClusterSettings, str], Generations] = _build_replica,
     ) -> None:
         self.settings, self.identity, self._emit, self._clock = settings, identity, on_event, clock
+        self._build = build
         self.me = identity.peer_id
         self.host = settings.host or lan_address()
         self._roster = Roster(me=self.me, ask=self._ask, on_event=on_event)
@@ -111,7 +133,7 @@ class ClusterMember:
         )
         self.address = ""
         self._desk = JoinDesk(self.me, clock)
-        self._replica: Replica | None = None
+        self._replica: Generations | None = None
         self._since: int | None = None
         self._generation = -1
         self._leader: str | None = None
@@ -164,7 +186,7 @@ class ClusterMember:
         try:
             if discovery is not None:
                 await discovery.start()
-            build = start_in_thread("build", _build_replica, self.settings, self.host)
+            build = start_in_thread("build", self._build, self.settings, self.host)
             return await self._lifecycle(build)
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -189,7 +211,7 @@ class ClusterMember:
         self._roster.learn(peer.address.partition("://")[2])
         self._desk.notify()
 
-    async def _lifecycle(self, build: asyncio.Future[Replica]) -> int:
+    async def _lifecycle(self, build: asyncio.Future[Generations]) -> int:
         while True:
             formed = await self._form(build)
             if formed is None:
@@ -243,7 +265,7 @@ class ClusterMember:
             self._emit(events.LeaderElected(leader=leader, reason=reason))
             self._desk.notify()  # join requests held by this member look again
 
-    async def _form(self, build: asyncio.Future[Replica]) -> tuple[GenerationPlan, Any] | None:
+    async def _form(self, build: asyncio.Future[Generations]) -> tuple[GenerationPlan, Any] | None:
         while not self._leaving:
             changed = self._desk.changed
             await self._probe()
@@ -388,12 +410,24 @@ class ClusterMember:
 
     async def _watch(self, plan: GenerationPlan) -> None:
         """While training: probe now and then, and end the generation when a member more
-        senior than its leader is alive outside it (two halves of a cluster merge)."""
+        senior than its leader is alive outside it (two halves of a cluster merge). A pod
+        trainer's generation also ends when a member of it missed two probes in a row: a
+        pod's ranks wait for rank 0's next window for as long as the network takes, so a
+        vanished machine would not fail a collective soon."""
         leader = Member(plan.leader, "", plan.since[0], 0, plan.number)
+        missed: dict[str, int] = {}
         while not self._vote.is_set():
             await asyncio.sleep(WATCH_S)
             await self._probe()
             outside = [m for m in self._roster.members() if m.peer_id not in plan.members]
             if outside and seniority(elect(outside)) < seniority(leader):
                 log.info("cluster: a member more senior than the leader is alive; merging")
+                self._vote.set()
+            if self.settings.experiment is None:
+                continue
+            lost = lost_members(plan.members, self._roster.views, me=self.me)
+            missed = {peer: missed.get(peer, 0) + 1 for peer in lost}
+            if any(count >= 2 for count in missed.values()):
+                log.info("cluster: member(s) %s stopped answering; re-forming the pod",
+                         ", ".join(p[:12] for p in missed))  # fmt: skip
                 self._vote.set()

@@ -98,6 +98,9 @@ class ClusterSettings:
     threads: int = 1
     #: The interface gloo binds (None: the one holding ``host``).
     gloo_interface: str | None = None
+    #: The p2ptrain experiment the cluster trains in as one pod trainer (None: the cluster
+    #: trains on its own). Its generations are then pods: the leader runs the trainer node.
+    experiment: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -136,6 +139,11 @@ class ClusterSettings:
                 raise LocalError(f"{option} {seconds:g}: use 0 to 600 seconds")
         if self.threads < 1:
             raise LocalError(f"--threads {self.threads}: use at least 1")
+        if self.experiment is not None and self.steps is not None:
+            raise LocalError(
+                "--steps with --experiment: a cluster in a network trains the windows the "
+                "network opens, until it is stopped; leave --steps out"
+            )
 
     @property
     def cluster_id(self) -> str:
@@ -145,12 +153,15 @@ class ClusterSettings:
     @property
     def fingerprint(self) -> str:
         """SHA-256 of what every member must train alike: the workload, its config, the
-        sample order's seed and the gradients' compression."""
-        described = {
+        sample order's seed and the gradients' compression, or the experiment the cluster
+        joins as a pod trainer."""
+        described: dict[str, object] = {
             "workload": self.workload,
             "config": dict(self.config),
             "seed": self.seed,
             "compression": self.compression,
         }
+        if self.experiment is not None:
+            described = {"experiment": self.experiment, "workload": self.workload}
         text = json.dumps(described, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(text.encode()).hexdigest()

@@ -57,6 +57,7 @@ __all__ = [
     "PodGroup",
     "PodReplica",
     "PodSettings",
+    "PodUnformed",
     "PodWrapped",
     "follow",
     "pod_settings",
@@ -73,6 +74,13 @@ _DTYPES = {str(dtype): dtype for dtype in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}  # fmt: skip
+
+
+class PodUnformed(LocalError):
+    """The pod's process group could not be formed (a rank or the store is gone): what
+    starts the pod (torchrun, a cluster) may start it again, unlike a usage error."""
+
+    exit_code = 3
 
 
 @dataclass(frozen=True)
@@ -170,9 +178,10 @@ class PodGroup:
                     timeout=COMMAND_TIMEOUT,
                 )  # fmt: skip
         except (RuntimeError, ValueError) as exc:
-            raise LocalError(
+            raise PodUnformed(
                 f"pod rank {self.rank}: cannot form the pod's process group ({exc}); start "
-                "the pod with torchrun (p2ptrain train --pod-ranks N does)"
+                "the pod with torchrun (p2ptrain train --pod-ranks N does), and check that "
+                "every rank reaches the pod's store"
             ) from exc
         commands = dist.group.WORLD
         assert commands is not None
