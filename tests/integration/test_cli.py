@@ -103,6 +103,17 @@ def test_a_bad_experiment_file_gets_a_message_naming_the_field(tmp_path: Path) -
     assert allowed.returncode == 0, allowed.stderr
 
 
+def test_a_seed_refuses_a_minority_quorum_and_names_the_opt_in(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    assert "quorum = 2" in text and text.count('",\n]') == 1  # 3 validators: 2 is a majority
+    minority = tmp_path / "minority.toml"
+    minority.write_text(text.replace('",\n]', f'",\n    "{1:064x}",\n]'))
+    result = p2ptrain("seed", "--experiment-toml", str(minority), "--dir", str(tmp_path / "s"))
+    assert result.returncode == 2, result.stderr
+    assert "quorum 2 of 4 validators is not a majority" in result.stderr
+    assert "--allow-minority-quorum" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_experiment_show_rejects_a_tampered_file(tmp_path: Path) -> None:
     data_dir = tmp_path / "node"
     assert p2ptrain("init", "--dir", str(data_dir)).returncode == 0

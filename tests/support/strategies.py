@@ -37,11 +37,14 @@ from p2ptrain.core.records import (
     Proposal,
     QuarantineEntry,
     Rejection,
+    Revocation,
     Update,
 )
 
 hex_ids = st.binary(min_size=0, max_size=16).map(lambda b: hashlib.sha256(b).hexdigest())
 keys = st.binary(min_size=32, max_size=32)
+#: Free text a record's check takes (printable, short).
+printable = st.text(max_size=40).filter(str.isprintable)
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 #: ``[A-Za-z0-9][A-Za-z0-9._-]{0,30}``, drawn as two choices (a regex draws every character).
 names = st.builds(
@@ -286,6 +289,20 @@ def admissions(draw: st.DrawFn, issuer: bytes | None = None) -> AdmissionCertifi
         subject=draw(keys),
         issuer=issuer if issuer is not None else draw(keys),
         not_after_ms=draw(st.integers(0, 2**50)),
+        roles=tuple(sorted(draw(st.sets(st.sampled_from(ROLES))))),
+        issued_at_ms=draw(st.integers(0, 2**50)),
+        name=draw(printable),
+    )
+
+
+@st.composite
+def revocations(draw: st.DrawFn, issuer: bytes | None = None) -> Revocation:
+    return Revocation(
+        network_id=draw(hex_ids),
+        subject=draw(keys),
+        issuer=issuer if issuer is not None else draw(keys),
+        issued_at_ms=draw(st.integers(0, 2**50)),
+        reason=draw(printable),
     )
 
 
@@ -311,5 +328,6 @@ AUTHORED = {
     "proposal": proposals,
     "attestation": attestations,
     "admission": admissions,
+    "revocation": revocations,
     "metrics": metrics_reports,
 }

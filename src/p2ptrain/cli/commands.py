@@ -39,6 +39,10 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command(
         _NODE, "evaluate a certified head locally and compare with the evaluators' reports"
     ),
+    "admit": Command(
+        "admission_commands", "sign a peer's admission certificate to a certificate network"
+    ),
+    "revoke": Command("admission_commands", "withdraw a peer's admission: every node cuts it off"),
     "dashboard": Command(
         "dashboard_command", "serve the live dashboard of a node's data directory"
     ),

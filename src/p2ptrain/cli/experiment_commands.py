@@ -159,12 +159,9 @@ def run_create(args: argparse.Namespace) -> int:
         raise LocalError(f"{args.toml} is not UTF-8 text") from None
     identity = load_identity(args.dir)
     manifest = experiment_from_toml(text, identity.public_key)
-    if not manifest.has_majority_quorum and not args.allow_minority_quorum:
-        raise LocalError(
-            f"quorum: {manifest.quorum} of {len(manifest.validators)} validators is not a "
-            "majority, so two disjoint quorums could certify different heads. Raise quorum "
-            f"to at least {len(manifest.validators) // 2 + 1}, or pass --allow-minority-quorum."
-        )
+    problem = manifest.minority_quorum_problem("--allow-minority-quorum")
+    if problem is not None and not args.allow_minority_quorum:
+        raise LocalError(f"{args.toml}: {problem}")
     signed = seal(identity, manifest)
     data = signed.envelope.encode()
     out = Path(args.out) if args.out else Path(args.toml).with_suffix(".experiment")

@@ -64,6 +64,11 @@ _CONFIG_KEYS = {
     "dir",
     "experiment",
     "experiment_toml",
+    "allow_minority_quorum",
+    "admission",
+    "issuer",
+    "certificate",
+    "tls",
     "bootstrap",
     "listen",
     "advertise",
@@ -191,6 +196,27 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
             help="experiment definition to sign and serve, for the seed creating the network "
             "(see examples/shakespeare.toml)",
         )
+        parser.add_argument(
+            "--admission",
+            choices=("open", "certificate"),
+            help="who may join the network this seed creates: open (default: anyone, or "
+            "anyone with --secret-file) or certificate (only peers holding an issuer's "
+            "certificate: p2ptrain admit)",
+        )
+        parser.add_argument(
+            "--issuer",
+            action="append",
+            metavar="KEY",
+            help="a public key that issues certificates (repeatable; default: this seed's)",
+        )
+        parser.add_argument(
+            "--allow-minority-quorum",
+            action="store_true",
+            default=None,
+            help="sign an experiment whose quorum is not a majority of its validators (two "
+            "disjoint quorums could then certify two heads at one height: for test networks "
+            "and validators you run yourself)",
+        )
     parser.add_argument("--experiment", help="the experiment id to join (the seed prints it)")
     parser.add_argument(
         "--bootstrap", action="append", help="seed address http://HOST:PORT (repeatable)"
@@ -202,6 +228,18 @@ def _node_arguments(parser: argparse.ArgumentParser, data_dir: str, role: str | 
     )
     parser.add_argument(
         "--advertise", action="append", help="address peers should dial (repeatable)"
+    )
+    parser.add_argument(
+        "--certificate",
+        help="this node's admission certificate to a certificate network (p2ptrain admit "
+        "writes it; kept in the data directory)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=None,
+        help="serve over TLS; the certificate's fingerprint is pinned in the node's signed "
+        "peer record, so peers need no certificate authority",
     )
     parser.add_argument("--relay", help="a seed that relays requests to this private node")
     parser.add_argument("--secret-file", help="file holding a private network's secret")
@@ -318,7 +356,20 @@ def _listen(text: str | None) -> tuple[str | None, int]:
     return host.strip("[]"), int(port)
 
 
-def _secret(path: str | None, *, create: bool = False) -> bytes | None:
+def _public_key(option: str, text: str) -> bytes:
+    try:
+        key = bytes.fromhex(str(text))
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise LocalError(
+            f"{option} {text!r:.80}: give an Ed25519 public key, 64 hex characters "
+            "(p2ptrain identity prints a node's)"
+        )
+    return key
+
+
+def network_secret(path: str | None, *, create: bool = False) -> bytes | None:
     """The network secret in ``path``; a seed (``create``) writes a new one when the file
     does not exist yet."""
     if path is None:
@@ -380,12 +431,17 @@ def settings_from(args: argparse.Namespace) -> NodeSettings:
         roles=tuple(roles),
         experiment_id=pick("experiment"),
         experiment_toml=None if toml is None else Path(toml),
+        allow_minority_quorum=bool(pick("allow_minority_quorum", False)),
+        admission=str(pick("admission", "open")),
+        issuers=tuple(_public_key("--issuer", k) for k in pick("issuer", [])),
+        certificate=None if pick("certificate") is None else Path(pick("certificate")),
+        tls=bool(pick("tls", False)),
         bootstrap=tuple(pick("bootstrap", [])),
         host=host,
         port=port,
         advertise=tuple(pick("advertise", [])),
         relay=pick("relay"),
-        secret=_secret(pick("secret_file"), create="seed" in roles),
+        secret=network_secret(pick("secret_file"), create="seed" in roles),
         network_name=pick("network_name", "p2ptrain"),
         windows=_stop_after(pick("windows"), pick("until_height")),
         until_height=_positive(pick("until_height"), "--until-height"),
@@ -504,7 +560,9 @@ def run_status(args: argparse.Namespace) -> int:
     import asyncio
 
     target: str = args.target
-    secret = _secret(args.secret_file) if target.startswith(("http://", "https://")) else None
+    secret = (
+        network_secret(args.secret_file) if target.startswith(("http://", "https://")) else None
+    )
 
     def read() -> NodeStatus:
         if target.startswith(("http://", "https://")):

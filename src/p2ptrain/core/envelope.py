@@ -24,6 +24,7 @@ from p2ptrain.core.records import (
     MetricsReport,
     PeerRecord,
     Proposal,
+    Revocation,
     Update,
 )
 from p2ptrain.errors import LocalError, ProtocolViolation
@@ -55,6 +56,7 @@ KINDS: dict[str, RecordKind] = {
         RecordKind("proposal", Proposal, 64 << 20, lambda r: r.reducer),
         RecordKind("attestation", Attestation, 4 << 10, lambda r: r.validator),
         RecordKind("admission", AdmissionCertificate, 1 << 10, lambda r: r.issuer),
+        RecordKind("revocation", Revocation, 1 << 10, lambda r: r.issuer),
         RecordKind("metrics", MetricsReport, 1 << 10, lambda r: r.evaluator),
     )
 }

@@ -232,8 +232,9 @@ KEYS: dict[str, KeyDoc] = {
     ),
     "quorum": KeyDoc(
         "How many validators' signatures certify a head. Make it a majority, so that any "
-        "two quorums share a validator: `p2ptrain experiment create` refuses less unless "
-        "given `--allow-minority-quorum`.",
+        "two quorums share a validator: `p2ptrain seed`, `p2ptrain experiment create`, "
+        "`p2ptrain sim` and the Python API (`NodeSettings`) refuse less unless given "
+        "`--allow-minority-quorum` (`allow_minority_quorum=True`).",
         values="1 to the number of validators",
         example=1,
     ),

@@ -83,6 +83,21 @@ def secret_check(secret: bytes) -> bytes:
     return hmac.new(secret, _SECRET_CHECK_LABEL, hashlib.sha256).digest()
 
 
+def minority_quorum_problem(quorum: int, validators: int, opt_in: str) -> str | None:
+    """Why a quorum of ``quorum`` out of ``validators`` is unsafe, and what to do (None:
+    it is a majority). ``opt_in`` names how the operator accepts the risk (a flag, an
+    argument)."""
+    if 2 * quorum > validators:
+        return None
+    return (
+        f"quorum {quorum} of {validators} validators is not a majority: two disjoint groups "
+        f"of {quorum} validators could each certify a different head at the same height (a "
+        "fork no rule can settle), and a minority of the validators can certify a head the "
+        f"others never checked. Raise quorum to at least {validators // 2 + 1}, or, to accept "
+        f"that risk (a test network, validators you run yourself), pass {opt_in}"
+    )
+
+
 class NetworkManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One p2ptrain network: who may join and where to start. Signed by ``authority``."""
 
@@ -490,6 +505,11 @@ class ExperimentManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     def id(self) -> str:
         """The experiment id: SHA-256 of the canonical encoding."""
         return record_id(self)
+
+    def minority_quorum_problem(self, opt_in: str) -> str | None:
+        """Why this experiment's quorum is unsafe (None: it is a majority); ``opt_in`` names
+        how the operator accepts the risk where the experiment is created."""
+        return minority_quorum_problem(self.quorum, len(self.validators), opt_in)
 
     @property
     def has_majority_quorum(self) -> bool:

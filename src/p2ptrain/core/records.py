@@ -26,6 +26,8 @@ MAX_QUARANTINE_ENTRIES = 100_000
 MAX_REPORTED_LOSS = 1e9
 MAX_REPORTED_PERPLEXITY = 1e300
 MAX_REPORTED_SAMPLES = 1 << 40
+MAX_SUBJECT_NAME_CHARS = 256
+MAX_REVOCATION_REASON_CHARS = 256
 
 
 class PeerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -257,19 +259,56 @@ class AdmissionCertificate(msgspec.Struct, frozen=True, kw_only=True, forbid_unk
     """An issuer's permission for one peer key to join a ``certificate`` network.
 
     Signed by ``issuer``, which must be one of the network manifest's ``issuer_keys``.
-    ``not_after_ms`` is the expiry in Unix milliseconds (0: does not expire).
+    ``not_after_ms`` is the expiry in Unix milliseconds (0: does not expire). ``roles``: the
+    roles the peer may announce (empty: any). ``name``: who the issuer checked the key
+    belongs to (``github:login``, ``oidc:issuer#sub``; empty: not said).
     """
 
     network_id: str
     subject: bytes
     issuer: bytes
     not_after_ms: int = 0
+    roles: tuple[str, ...] = ()
+    issued_at_ms: int = 0
+    name: str = ""
 
     def __post_init__(self) -> None:
         rules.check_hex_id("network_id", self.network_id)
         rules.check_public_key("subject", self.subject)
         rules.check_public_key("issuer", self.issuer)
         rules.check_int("not_after_ms", self.not_after_ms, 0)
+        rules.check_count("roles", self.roles, 0, len(ROLES))
+        rules.check_sorted_unique("roles", self.roles)
+        for role in self.roles:
+            rules.check_choice("roles", role, ROLES)
+        rules.check_int("issued_at_ms", self.issued_at_ms, 0)
+        rules.check_text("name", self.name, MAX_SUBJECT_NAME_CHARS)
+
+    def allows(self, roles: tuple[str, ...]) -> bool:
+        """Whether a peer holding this certificate may announce ``roles``."""
+        return not self.roles or set(roles) <= set(self.roles)
+
+
+class Revocation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An issuer withdraws a peer key's admission to a ``certificate`` network for good.
+
+    Signed by ``issuer`` (one of the network's ``issuer_keys``, or its authority). Every node
+    that hears it closes the peer's connections, refuses its requests and the records it
+    signed, keeps the revocation, and passes it to each peer it connects to.
+    """
+
+    network_id: str
+    subject: bytes
+    issuer: bytes
+    issued_at_ms: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        rules.check_hex_id("network_id", self.network_id)
+        rules.check_public_key("subject", self.subject)
+        rules.check_public_key("issuer", self.issuer)
+        rules.check_int("issued_at_ms", self.issued_at_ms, 0)
+        rules.check_text("reason", self.reason, MAX_REVOCATION_REASON_CHARS)
 
 
 class MetricsReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -58,6 +58,7 @@ _CLIENT_LABEL = b"p2ptrain/v1/auth/client\x00"
 _SERVER_LABEL = b"p2ptrain/v1/auth/server\x00"
 _NONCE_BYTES = 32
 _USED_CNONCES = 1 << 18
+_KEPT_ADMISSIONS = 4096
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,6 +92,8 @@ class Admitted:
     public_key: bytes
     peer_id: str
     cnonce: bytes
+    #: The caller's admission certificate, on a ``certificate`` network.
+    certificate: AdmissionCertificate | None = None
 
 
 def _b64(data: bytes) -> str:
@@ -160,6 +163,10 @@ class Gatekeeper:
         self._random = random_bytes
         self._nonce_key = random_bytes(32)
         self._admissions: OrderedDict[bytes, AdmissionCertificate] = OrderedDict()
+        #: The latest certificate each admitted key showed (bounded like the admissions).
+        self._certified: OrderedDict[bytes, AdmissionCertificate] = OrderedDict()
+        #: Keys whose admission an issuer revoked (each from a verified revocation).
+        self.revoked: set[bytes] = set()
         # Client nonces already used: a captured request cannot be replayed while its
         # server nonce is fresh (beyond the capacity, the oldest are forgotten first).
         self._used = SeenSet(_USED_CNONCES, NONCE_TTL_MS + _CLOCK_SKEW_MS)
@@ -200,11 +207,18 @@ class Gatekeeper:
             creds.public_key, transcript, creds.signature
         ):
             raise Refusal(403, "credentials carry an invalid signature")
+        if creds.public_key in self.revoked:
+            raise Refusal(403, "this peer's admission was revoked by an issuer of the network")
+        certificate = None
         if self.network.admission == "certificate":
-            self._check_admission(creds)
+            certificate = self._check_admission(creds)
         if not self._used.add(creds.cnonce, self._now_ms()):
             raise Refusal(401, "replayed credentials", nonce=self.new_nonce())
-        return Admitted(creds.public_key, peer_id_of(creds.public_key), creds.cnonce)
+        return Admitted(creds.public_key, peer_id_of(creds.public_key), creds.cnonce, certificate)
+
+    def certificate_of(self, public_key: bytes) -> AdmissionCertificate | None:
+        """The certificate ``public_key`` last showed at our door (None: none seen)."""
+        return self._certified.get(public_key)
 
     def server_proof(self, cnonce: bytes) -> str:
         """The ``P2PTrain-Server`` header value answering a client nonce."""
@@ -232,7 +246,7 @@ class Gatekeeper:
         age = self._now_ms() - int(issued)
         return -_CLOCK_SKEW_MS <= age <= NONCE_TTL_MS
 
-    def _check_admission(self, creds: Credentials) -> None:
+    def _check_admission(self, creds: Credentials) -> AdmissionCertificate:
         if creds.admission is None:
             raise Refusal(403, "this network admits only peers with an admission certificate")
         cached = self._admissions.get(creds.admission.signature)
@@ -242,7 +256,7 @@ class Gatekeeper:
             except ProtocolViolation as exc:
                 raise Refusal(403, f"admission certificate is invalid: {exc}") from None
             self._admissions[creds.admission.signature] = cached
-            if len(self._admissions) > 4096:
+            if len(self._admissions) > _KEPT_ADMISSIONS:
                 self._admissions.popitem(last=False)
         if cached.issuer not in self.network.issuer_keys:
             raise Refusal(403, "admission certificate is signed by a key that is not an issuer")
@@ -252,6 +266,11 @@ class Gatekeeper:
             raise Refusal(403, "admission certificate names another peer key")
         if cached.not_after_ms and cached.not_after_ms < self._now_ms():
             raise Refusal(403, "admission certificate has expired")
+        self._certified[creds.public_key] = cached
+        self._certified.move_to_end(creds.public_key)
+        if len(self._certified) > _KEPT_ADMISSIONS:
+            self._certified.popitem(last=False)
+        return cached
 
 
 class ClientCredentials:
@@ -273,12 +292,19 @@ class ClientCredentials:
         if network.admission == "certificate" and admission is None:
             raise LocalError(
                 f"network {network.name!r} admits only certified peers: give this node its "
-                "admission certificate (--admission-file), signed by one of the network's issuers"
+                "admission certificate (--certificate FILE; an issuer of the network makes it "
+                "with p2ptrain admit)"
             )
-        if admission is not None and admission.record.subject != identity.public_key:
-            raise LocalError("the admission certificate names another key than this node's")
-        self._admission = None if admission is None else admission.envelope
+        self._admission: Envelope | None = None
+        if admission is not None:
+            self.use_admission(admission)
         self._random = random_bytes
+
+    def use_admission(self, admission: Signed[AdmissionCertificate]) -> None:
+        """Show ``admission`` from the next request on (a renewed certificate)."""
+        if admission.record.subject != self.identity.public_key:
+            raise LocalError("the admission certificate names another key than this node's")
+        self._admission = admission.envelope
 
     def header(self, nonce: str, method: str, path: str) -> tuple[str, bytes]:
         """The Authorization header for one request, and the client nonce it used."""

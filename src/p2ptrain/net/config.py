@@ -75,6 +75,9 @@ class NetConfig:
     mdns: bool = False
     #: Serve over TLS with a self-signed certificate pinned in the peer record.
     tls: bool = False
+    #: Where the TLS certificate and key are kept, so that a restarted node keeps its pin
+    #: (and every address that names it); None: a new one each start.
+    tls_dir: str | None = None
     #: Topics this node subscribes to besides its network's peer topic.
     topics: tuple[str, ...] = field(default_factory=tuple)
 

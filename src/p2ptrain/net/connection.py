@@ -68,6 +68,9 @@ class PeerConnection:
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        #: Set while every queued frame has been written to the socket.
+        self._drained = asyncio.Event()
+        self._drained.set()
         self._closed = asyncio.Event()
         self._closing = False
         self._close_done = asyncio.Event()
@@ -102,6 +105,7 @@ class PeerConnection:
             raise SlowPeer(f"peer {self.peer_id[:16]} is {len(self._queue)} frames behind")
         self._queue.append(frame)
         self._queued_bytes += len(frame)
+        self._drained.clear()
         self._ready.set()
         if self._queued_bytes > self._config.max_frame_bytes * 8:
             self._room.clear()
@@ -133,7 +137,16 @@ class PeerConnection:
                 break
             self.frames_out += 1
             self.bytes_out += len(frame)
+            if not self._queue:
+                self._drained.set()
         self._room.set()
+        self._drained.set()
+
+    async def drained(self, timeout_s: float) -> None:
+        """Return once every frame queued so far is written to the socket (or it closed);
+        raises TimeoutError after ``timeout_s``."""
+        async with asyncio.timeout(timeout_s):
+            await self._drained.wait()
 
     async def frames(self) -> AsyncIterator[bytes]:
         """Incoming binary frames. Raises ProtocolViolation for a text frame, an oversized

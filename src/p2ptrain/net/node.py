@@ -25,16 +25,16 @@ from aiohttp import web
 from prometheus_client.core import Metric
 
 from p2ptrain.core.envelope import Signed, seal
-from p2ptrain.core.identity import Identity
+from p2ptrain.core.identity import Identity, peer_id_of
 from p2ptrain.core.manifests import NetworkManifest
-from p2ptrain.core.records import AdmissionCertificate, PeerRecord
+from p2ptrain.core.records import AdmissionCertificate, PeerRecord, Revocation
 from p2ptrain.errors import ProtocolViolation, TransportError
 from p2ptrain.net.auth import Admitted, ClientCredentials, Gatekeeper
 from p2ptrain.net.client import PeerClient, Refused
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.connection import PeerConnection
 from p2ptrain.net.content import Answer, LocalContent
-from p2ptrain.net.gossip import Delivered, GossipRouter, GossipStatistics
+from p2ptrain.net.gossip import Delivered, GossipRouter, GossipStatistics, Refusal
 from p2ptrain.net.net_metrics import exposition, net_families
 from p2ptrain.net.peers import PeerBook, PeerBookStatistics
 from p2ptrain.net.relay import RelayHub, RelayStatistics, answer_relay
@@ -103,12 +103,14 @@ class NetNode:
         on_blob_bytes: Callable[[str, str, int], None] | None = None,
         extra_routes: Sequence[web.RouteDef] = (),
         metrics_text: Callable[[], bytes] | None = None,
+        on_revoked: Callable[[Signed[Revocation]], None] | None = None,
     ) -> None:
         """``answers``: the node's own content answers by path prefix (its records, status);
         ``on_blob_bytes``: told of each blob served (``sent``) or pushed here (``received``),
         with its id and bytes; ``extra_routes``: the node's own pages (the dashboard; see
         the server); ``metrics_text``: the Prometheus text of ``/metrics`` (else the
-        network's alone)."""
+        network's alone); ``on_revoked``: told of each revocation new to this node (once
+        the peer is cut off), to keep it."""
         self.config = config or NetConfig()
         self.identity = identity
         self.network = network
@@ -143,6 +145,9 @@ class NetNode:
         )
         for topic in self.config.topics:
             self.gossip.subscribe(topic, lambda _: None)
+        #: Verified revocations by revoked key: passed to every peer we connect to.
+        self.revocations: dict[bytes, Signed[Revocation]] = {}
+        self.on_revoked = on_revoked or (lambda _: None)
         self.address: str | None = None
         self.port = 0  # the port we listen on, once started
         self._server: NodeServer | None = None
@@ -243,7 +248,10 @@ class NetNode:
         )
         context: ssl.SSLContext | None = None
         if self.config.tls:
-            self._tls = SelfSignedCertificate.generate(host)
+            if self.config.tls_dir is not None:
+                self._tls = SelfSignedCertificate.kept_in(self.config.tls_dir, host)
+            else:
+                self._tls = SelfSignedCertificate.generate(host)
             context = self._tls.server_context()
         self._runner = web.AppRunner(
             self._server.application(), access_log=None, handle_signals=False
@@ -328,22 +336,71 @@ class NetNode:
             return f"{record.relay.split('#')[0].rstrip('/')}/v1/relay/{peer_id}"
         return None
 
-    def _check_peer_record(self, message: Delivered) -> str | None:
-        if message.kind != "peer" or not isinstance(message.record, Signed):
-            return "only peer records travel on the network topic"
+    def _check_peer_record(self, message: Delivered) -> str | Refusal | None:
+        """The network topic's validator: peer records and revocations of this network."""
+        if message.kind not in ("peer", "revocation") or not isinstance(message.record, Signed):
+            return "only peer records and revocations travel on the network topic"
         record = message.record.record
+        if isinstance(record, Revocation):
+            return self.revocation_problem(record)
         if not isinstance(record, PeerRecord) or record.network_id != self.network_id:
             return "peer record for another network"
+        if record.public_key in self.gatekeeper.revoked:
+            # whoever forwarded it may not have heard of the revocation yet: no one's fault
+            return Refusal(f"peer {record.peer_id[:16]}'s admission was revoked")
+        certificate = self.gatekeeper.certificate_of(record.public_key)
+        if certificate is not None and not certificate.allows(record.roles):
+            return Refusal(
+                f"peer {record.peer_id[:16]} announces roles {'+'.join(record.roles)}, but "
+                f"its admission certificate allows {'+'.join(certificate.roles)}",
+                blame=record.peer_id,
+            )
+        return None
+
+    def revocation_problem(self, revocation: Revocation) -> str | None:
+        """Why ``revocation`` (its signature verified) does not count here (None: it does)."""
+        if revocation.network_id != self.network_id:
+            return "revocation for another network"
+        if revocation.issuer not in (*self.network.issuer_keys, self.network.authority):
+            return "revocation signed by a key that is neither an issuer nor the authority"
         return None
 
     def _on_peer_record(self, message: Delivered) -> None:
         signed = message.record
-        if (
-            isinstance(signed, Signed)
-            and isinstance(signed.record, PeerRecord)
-            and self.peers.add(signed)
-        ):
+        if not isinstance(signed, Signed):
+            return
+        if isinstance(signed.record, Revocation):
+            self.revoke(signed)
+        elif isinstance(signed.record, PeerRecord) and self.peers.add(signed):
             self._heard_at[signed.record.peer_id] = time.monotonic()
+
+    def revoke(self, signed: Signed[Revocation]) -> bool:
+        """Cut the revoked peer off: refuse its requests and records, close its
+        connections, forget its record; True when the revocation was news. (Check it with
+        :meth:`revocation_problem` first.)"""
+        subject = signed.record.subject
+        if subject in self.revocations:
+            return False
+        self.revocations[subject] = signed
+        self.gatekeeper.revoked.add(subject)
+        peer_id = peer_id_of(subject)
+        self.peers.forget(peer_id)
+        held = self.gossip.connections.get(peer_id)
+        if held is not None:
+            reason = f"admission revoked: {signed.record.reason or 'no reason given'}"
+            self.spawn(held.close(reason, code=aiohttp.WSCloseCode.POLICY_VIOLATION), "revoked")
+        logger.warning(
+            "peer %s: admission revoked by %s (%s)",
+            peer_id[:16], peer_id_of(signed.record.issuer)[:16], signed.record.reason or "-",
+        )  # fmt: skip
+        self.on_revoked(signed)
+        return True
+
+    def publish_revocation(self, signed: Signed[Revocation]) -> None:
+        """Apply a revocation issued here and flood it."""
+        self.revoke(signed)
+        topic = network_topic(self.network_id)
+        self.publish(topic, "revocation", signed.envelope.encode(), again=True)
 
     async def _announce_forever(self) -> None:
         """Every ``heartbeat_s``, sign our record anew and gossip it: our presence, by which
@@ -426,11 +483,10 @@ class NetNode:
             return
         relays = asyncio.Semaphore(_RELAY_ANSWERS_PER_CONNECTION)
         connection.send(self.gossip.hello())
-        connection.send(
-            encode_frame(
-                Gossip(network_topic(self.network_id), "peer", self.self_record().envelope.encode())
-            )
-        )
+        topic = network_topic(self.network_id)
+        connection.send(encode_frame(Gossip(topic, "peer", self.self_record().envelope.encode())))
+        for revocation in list(self.revocations.values()):  # a joiner learns them at once
+            connection.send(encode_frame(Gossip(topic, "revocation", revocation.envelope.encode())))
         try:
             async with asyncio.TaskGroup() as group:
                 writer = group.create_task(connection.write_loop())

@@ -70,6 +70,10 @@ class PeerBook:
         self._records[peer_id] = signed
         return True
 
+    def forget(self, peer_id: str) -> None:
+        """Drop ``peer_id``'s record (its admission was revoked): no one dials it again."""
+        self._records.pop(peer_id, None)
+
     def get(self, peer_id: str) -> Signed[PeerRecord] | None:
         return self._records.get(peer_id)
 

@@ -26,6 +26,27 @@ class SelfSignedCertificate:
     cert_path: str
     key_path: str
     fingerprint: str  # hex SHA-256 of the DER certificate
+    #: Kept in a node's directory (not removed when the node stops).
+    kept: bool = False
+
+    @classmethod
+    def kept_in(cls, directory: str, host: str, days: int = 3650) -> SelfSignedCertificate:
+        """The certificate kept in ``directory`` (``tls-cert.pem``, ``tls-key.pem``), made
+        there the first time: a restarted node keeps its fingerprint, so the addresses that
+        pin it stay good. (Peers check the pin, not the name, so a new host is fine.)"""
+        cert_path = os.path.join(directory, "tls-cert.pem")
+        key_path = os.path.join(directory, "tls-key.pem")
+        if not (os.path.exists(cert_path) and os.path.exists(key_path)):
+            made = cls.generate(host, days)
+            os.makedirs(directory, exist_ok=True)
+            os.replace(made.key_path, key_path)
+            os.replace(made.cert_path, cert_path)
+            made.remove()
+        with open(cert_path, "rb") as handle:
+            der = x509.load_pem_x509_certificate(handle.read()).public_bytes(
+                serialization.Encoding.DER
+            )
+        return cls(cert_path, key_path, hashlib.sha256(der).hexdigest(), kept=True)
 
     @classmethod
     def generate(cls, host: str, days: int = 365) -> SelfSignedCertificate:
@@ -70,6 +91,9 @@ class SelfSignedCertificate:
         return context
 
     def remove(self) -> None:
+        """Delete a certificate made for one run (a kept one stays)."""
+        if self.kept:
+            return
         for path in (self.cert_path, self.key_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

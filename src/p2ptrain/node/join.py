@@ -21,6 +21,7 @@ from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, Transpo
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
 from p2ptrain.net.transfer import BlobFetcher
+from p2ptrain.node.admission import node_certificate
 from p2ptrain.node.persist import NodeStore, decode_genesis
 from p2ptrain.node.setup import NodeSettings, Prepared, remember_manifests
 
@@ -126,9 +127,7 @@ async def _genesis_from(
             assert answers.manifests is not None  # someone answered
             network, experiment = answers.manifests
             if client is None:
-                client = PeerClient(
-                    ClientCredentials(network.record, identity, secret=settings.secret)
-                )
+                client = PeerClient(_credentials(settings, identity, network.record))
             fetcher = BlobFetcher(
                 client, store.blobs, timeout_s=settings.fetch_timeout_s, on_fault=faults.__setitem__
             )
@@ -205,7 +204,7 @@ async def _experiment_from(
 ) -> _Manifests:
     """The network and experiment manifests as ``address`` serves them, checked."""
     network = open_envelope(await fetch_network_manifest(address), NetworkManifest)
-    client = PeerClient(ClientCredentials(network.record, identity, secret=settings.secret))
+    client = PeerClient(_credentials(settings, identity, network.record))
     try:
         raw = await client.record(address, experiment_id)
     finally:
@@ -216,3 +215,14 @@ async def _experiment_from(
     if experiment.record.network_id != network.record_id:
         raise ProtocolViolation(f"{address} serves another network than the experiment's")
     return network, experiment
+
+
+def _credentials(
+    settings: NodeSettings, identity: Identity, network: NetworkManifest
+) -> ClientCredentials:
+    """What this node shows at a bootstrap's door: its secret proof, and its admission
+    certificate on a certificate network."""
+    admission = node_certificate(
+        network, identity, settings.data_dir, settings.roles, settings.certificate
+    )
+    return ClientCredentials(network, identity, secret=settings.secret, admission=admission)

@@ -31,7 +31,13 @@ from p2ptrain.core.experiment_config import (
     parse_experiment_toml,
 )
 from p2ptrain.core.identity import Identity
-from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest, secret_check
+from p2ptrain.core.manifests import (
+    ADMISSION_POLICIES,
+    ExperimentManifest,
+    NetworkManifest,
+    minority_quorum_problem,
+    secret_check,
+)
 from p2ptrain.core.tensors import encode_state_dict, schema_hash
 from p2ptrain.data.prepare import PreparedDataset, read_prepared
 from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
@@ -73,6 +79,9 @@ class NodeSettings:
     experiment_id: str | None = None
     #: A seed creating the network: the experiment definition (TOML) to sign.
     experiment_toml: Path | None = None
+    #: A seed creating the network may sign a quorum that is not a majority of the
+    #: validators (refused otherwise: two disjoint quorums could certify two heads).
+    allow_minority_quorum: bool = False
     bootstrap: tuple[str, ...] = ()
     #: Listen address; None runs no server (outbound only, or relayed through ``relay``).
     host: str | None = "127.0.0.1"
@@ -81,6 +90,17 @@ class NodeSettings:
     relay: str | None = None
     #: A private network's secret (every request proves it).
     secret: bytes | None = None
+    #: A seed creating the network: ``open`` (anyone, or anyone with the secret) or
+    #: ``certificate`` (only peers holding an issuer's admission certificate).
+    admission: str = "open"
+    #: A certificate network's issuer keys (empty: the seed's own key).
+    issuers: tuple[bytes, ...] = ()
+    #: This node's admission certificate to a certificate network (``p2ptrain admit``
+    #: writes one; kept in the data directory from then on).
+    certificate: Path | None = None
+    #: Serve over TLS with a self-signed certificate whose fingerprint the signed peer
+    #: record pins.
+    tls: bool = False
     network_name: str = "p2ptrain"
     #: Stop after taking part in this many more certified windows, counted from the height
     #: the node is at once it has caught up (None: run until stopped).
@@ -143,6 +163,22 @@ class NodeSettings:
         if self.experiment_toml is not None and "seed" not in self.roles:
             raise LocalError(
                 "--experiment-toml is for the node that creates the network: add --role seed"
+            )
+        if self.admission not in ADMISSION_POLICIES:
+            raise LocalError(
+                f"--admission {self.admission!r}: choose {' or '.join(ADMISSION_POLICIES)}"
+            )
+        if (self.admission != "open" or self.issuers) and self.experiment_toml is None:
+            raise LocalError(
+                "--admission and --issuer are for the seed creating the network (with "
+                "--experiment-toml); a joining node learns them from the network's manifest"
+            )
+        if self.issuers and self.admission != "certificate":
+            raise LocalError("--issuer names the issuers of a network with --admission certificate")
+        if self.tls and self.host is None:
+            raise LocalError(
+                "--tls needs a server: give the node --listen HOST:PORT (an outbound-only "
+                "node serves nothing to encrypt)"
             )
         if self.keep_heads < 1:
             raise LocalError(
@@ -332,13 +368,19 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     assert settings.experiment_toml is not None
     path = settings.experiment_toml
     text = read_definition(path)
+    certified = settings.admission == "certificate"
     network = NetworkManifest(
         name=settings.network_name,
         authority=identity.public_key,
         secret_check=None if settings.secret is None else secret_check(settings.secret),
+        admission=settings.admission,
+        issuer_keys=tuple(sorted(set(settings.issuers or [identity.public_key])))
+        if certified
+        else (),
     )
     signed_network = seal(identity, network)
     raw = parse_experiment_toml(text)
+    _check_quorum(raw, path, settings.allow_minority_quorum)
     data = definition_data(raw, path)
     code = _workload_table(raw, settings.workload, path)
     workload = make_workload(
@@ -375,6 +417,19 @@ def _created(settings: NodeSettings, identity: Identity, store: NodeStore) -> Pr
     store.blobs.put(genesis_blob)
     remember_manifests(store, signed_network, signed)
     return Prepared(identity, signed_network, signed, dict(genesis))
+
+
+def _check_quorum(raw: dict[str, Any], path: Path, allowed: bool) -> None:
+    """Refuse a quorum that is not a majority of the validators unless ``allowed`` (before
+    the workload is built: the seed says it at once; a malformed definition is the
+    manifest's to name)."""
+    quorum, validators = raw.get("quorum"), raw.get("validators")
+    if allowed or not isinstance(quorum, int) or not isinstance(validators, list):
+        return
+    opt_in = "--allow-minority-quorum (NodeSettings.allow_minority_quorum)"
+    problem = minority_quorum_problem(quorum, len(validators), opt_in)
+    if problem is not None:
+        raise LocalError(f"{path}: {problem}")
 
 
 def remember_manifests(

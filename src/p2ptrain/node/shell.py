@@ -21,12 +21,17 @@ from collections.abc import Callable
 import torch
 
 from p2ptrain.aggregate.codecs import max_update_bytes
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.records import Revocation
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.driver.failures import FailureBook, RoleFailed
 from p2ptrain.driver.services import PeerServices
 from p2ptrain.driver.storage import StorageHealth
+from p2ptrain.errors import LocalError
 from p2ptrain.net.config import NetConfig
 from p2ptrain.net.node import NetNode
+from p2ptrain.node.admission import keep_revocation, kept_revocations, node_certificate
 from p2ptrain.node.adoption import ChainKeeper
 from p2ptrain.node.collector import BlobCollector
 from p2ptrain.node.evaluator import HeadEvaluator
@@ -87,7 +92,7 @@ class Node:
         self.manifest = manifest = prepared.experiment.record
         self.experiment_id = prepared.experiment.record_id
         self._stop = asyncio.Event()
-        self.failed: RoleFailed | None = None
+        self.failed: LocalError | None = None
         self.failures = FailureBook(settings.max_role_failures)
         #: Counters, timings and the window history (status, /metrics, the dashboard).
         pinned = {shard.blob_id: "shard" for shard in manifest.dataset.shards}
@@ -114,6 +119,7 @@ class Node:
             )
         self.dashboard = Dashboard(self.view.dashboard_snapshot)
         self.net = self._network(settings, store, self.dashboard)
+        intake.revoked = self.net.gatekeeper.revoked  # revoked peers' records are refused
         self.services = PeerServices(
             net=NetTransport(self.net, store.blobs, fetch_timeout_s=settings.fetch_timeout_s),
             identity=self.identity,
@@ -240,23 +246,44 @@ class Node:
             bootstrap=s.bootstrap,
             mdns=s.mdns,
             heartbeat_s=s.heartbeat_s,
+            tls=s.tls,
+            tls_dir=str(s.data_dir) if s.tls else None,
             # a restarted node keeps its address when it can (seeds above all: every
             # peer's bootstrap names it)
             preferred_port=store.listen_port() if s.host is not None else 0,
         )
-        return NetNode(
+        network = self.network.record
+        admission = node_certificate(network, self.identity, s.data_dir, s.roles, s.certificate)
+        net = NetNode(
             identity=self.identity,
-            network=self.network.record,
+            network=network,
             blobs=store.blobs,
             config=config,
             roles=s.roles,
             secret=s.secret,
+            admission=admission,
             relay=s.relay,
             answers=self.view.answers(),
             on_blob_bytes=self.telemetry.blob_bytes,
             extra_routes=dashboard.routes(),
             metrics_text=self.view.metrics_text,
+            on_revoked=functools.partial(self._revoked, store),
         )
+        for revocation in kept_revocations(store, network):  # cut off before any connection
+            net.revoke(revocation)
+        return net
+
+    def _revoked(self, store: NodeStore, signed: Signed[Revocation]) -> None:
+        """Keep a revocation; when it is this node's own, stop, saying so."""
+        keep_revocation(store, signed)
+        if signed.record.subject == self.identity.public_key and self.failed is None:
+            issuer = peer_id_of(signed.record.issuer)[:16]
+            self.failed = LocalError(
+                f"this node's admission to the network was revoked by issuer {issuer} "
+                f"({signed.record.reason or 'no reason given'}); its peers refuse it now. Ask "
+                "the network's issuer why, and for a new certificate for a new key"
+            )
+            self.stop()
 
     async def _run_roles(self) -> None:
         """The runners and the node's own tasks, until stopped or a role failed."""

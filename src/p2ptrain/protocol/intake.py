@@ -19,6 +19,7 @@ bounded in bytes per signer and in total, until the window opens.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -84,10 +85,15 @@ class IntakeRules:
         self._validators = frozenset(manifest.validators)
         self._proposers = self._validators | frozenset(manifest.reducers)
         self._shards = frozenset(shard.name for shard in manifest.dataset.shards)
+        #: Keys whose admission an issuer revoked: their records are refused (the node's
+        #: network fills it as revocations arrive).
+        self.revoked: Collection[bytes] = frozenset()
 
     def judge(self, signed: Signed[Any], open_window: int) -> Admission:
         """The verdict on ``signed`` for a node whose open window is ``open_window``."""
         record = signed.record
+        if signed.envelope.signer in self.revoked:  # a forwarder may not have heard yet
+            return Admission(False, "its signer's admission to the network was revoked")
         reason = self._entitlement(record)
         if reason is not None:  # the signer is named only when blamed (not on the hot path)
             return Admission(False, reason, peer_id_of(signed.envelope.signer))

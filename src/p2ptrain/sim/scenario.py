@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2ptrain.core.manifests import minority_quorum_problem
 from p2ptrain.errors import LocalError
 
 __all__ = ["ADVERSARIES", "Crash", "Partitioned", "Scenario", "SlowLink"]
@@ -78,12 +79,11 @@ class Scenario:
             raise LocalError("--trainers, --validators and --windows must each be at least 1")
         if not 1 <= self.quorum <= self.validators:
             raise LocalError(f"--quorum must be between 1 and --validators ({self.validators})")
-        if 2 * self.quorum <= self.validators and not self.allow_minority_quorum:
-            raise LocalError(
-                f"quorum {self.quorum} of {self.validators} is not a majority: two disjoint "
-                "quorums could certify two heads. Raise --quorum, or pass "
-                "--allow-minority-quorum to simulate it anyway"
-            )
+        problem = minority_quorum_problem(
+            self.quorum, self.validators, "--allow-minority-quorum to simulate it anyway"
+        )
+        if problem is not None and not self.allow_minority_quorum:
+            raise LocalError(problem.replace("Raise quorum", "Raise --quorum"))
         if not 0 <= self.byzantine <= self.trainers:
             raise LocalError("--byzantine must be between 0 and --trainers")
         if self.attack not in ATTACKS:

@@ -389,6 +389,32 @@ def test_a_certified_peer_is_admitted() -> None:
     assert gate.admit(header, "GET", "/").peer_id == CLIENT.peer_id
 
 
+def test_a_revoked_key_is_refused_even_with_a_valid_certificate() -> None:
+    gate = gatekeeper(CERTIFIED)
+    creds = client(CERTIFIED, admission=admission_for(CLIENT))
+    header, _ = creds.header(gate.new_nonce(), "GET", "/")
+    admitted = gate.admit(header, "GET", "/")
+    assert admitted.certificate is not None and gate.certificate_of(CLIENT.public_key)
+    gate.revoked.add(CLIENT.public_key)
+    header, _ = creds.header(gate.new_nonce(), "GET", "/")
+    refused = refusal(gate, header)
+    assert refused.status == 403
+    assert "revoked" in refused.reason
+
+
+def test_a_certificate_allows_the_roles_it_names_or_any() -> None:
+    anyone = admission_for(CLIENT).record
+    assert anyone.allows(("trainer", "validator"))
+    trainer = AdmissionCertificate(
+        network_id=CERTIFIED.id,
+        subject=CLIENT.public_key,
+        issuer=ISSUER.public_key,
+        roles=("trainer",),
+    )
+    assert trainer.allows(("trainer",))
+    assert not trainer.allows(("trainer", "validator"))
+
+
 def test_a_client_without_a_certificate_is_a_local_error_on_a_certificate_network() -> None:
     with pytest.raises(LocalError, match="admission"):
         client(CERTIFIED)

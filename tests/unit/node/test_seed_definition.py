@@ -52,7 +52,7 @@ def _definition(path: Path, validators: list[str], max_updates: int = 2) -> Path
         experiment_toml(
             validators=validators,
             reducers=[],
-            quorum=1,
+            quorum=2,
             workload={"name": WORKLOAD, "config": {"width": 4}},
             inner_steps=2,
             deadline_s=10.0,

@@ -190,6 +190,15 @@ def test_intake_rejects_what_the_signer_had_no_right_to_send_and_blames_the_sign
     assert rules.judge(stranger, open_window=1).blame == identity(5).peer_id
 
 
+def test_intake_refuses_the_records_of_a_revoked_key_without_blaming_the_forwarder() -> None:
+    rules = _rules()
+    assert rules.judge(_proposal(0), open_window=1).accepted
+    rules.revoked = {identity(0).public_key}
+    verdict = rules.judge(_proposal(0), open_window=1)
+    assert not verdict.accepted and verdict.blame is None
+    assert "revoked" in verdict.reason
+
+
 @pytest.mark.parametrize(("window", "accepted"), [(1, True), (2, True), (3, False), (50, False)])
 def test_intake_ignores_records_far_ahead_without_blaming_anyone(
     window: int, accepted: bool
