@@ -57,8 +57,9 @@ def _admit(net: Net, name: str, roles: str) -> Path:
     out = net.workdir / f"{name}.cert"
     key = net.network.identity(name)
     admitted = p2ptrain(
-        "admit", key, "--dir", str(net.data_dir("seed")), "--roles", roles, "--out", str(out)
-    )
+        "admit", key, "--dir", str(net.data_dir("seed")), "--roles", roles,
+        "--name", f"test:{name}", "--out", str(out),
+    )  # fmt: skip
     assert admitted.returncode == 0, admitted.stderr
     return out
 
@@ -182,6 +183,21 @@ def test_a_revoked_trainer_is_cut_off_within_5_s(net: Net) -> None:
         "trainer-2 to keep the revocation",
         WAIT_S,
         lambda: bool(stored_records(net.data_dir("trainer-2"), "revocation", Revocation)),
+    )
+
+    # its status names its certificate, and the peer it refuses and why
+    def revoked_in_status() -> bool:
+        try:
+            status = net.status("trainer-0")
+        except (OSError, ValueError):  # not written yet, or being written
+            return False
+        return [r["reason"] for r in status.get("revoked", [])] == ["left the study"]
+
+    net.wait("trainer-0's status to list the revoked peer", WAIT_S, revoked_in_status)
+    admission = net.status("trainer-0")["admission"]
+    net.check(
+        admission["name"] == "test:trainer-0" and admission["roles"] == ["trainer"],
+        f"trainer-0's status shows its certificate: {admission}",
     )
     # a restarted node cuts the revoked peer off again from what it kept
     cut_before = sum("admission revoked" in line for line in net.log("trainer-0"))

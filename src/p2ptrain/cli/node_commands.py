@@ -25,7 +25,13 @@ from p2ptrain.cli.commands import add_command, summary
 from p2ptrain.cli.logs import CONFIG_KEYS as LOG_CONFIG_KEYS
 from p2ptrain.cli.logs import add_log_arguments
 from p2ptrain.cli.pod_launch import add_pod_arguments, launch_pod, pod_from_environment
-from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
+from p2ptrain.cli.status_text import (
+    admission_rows,
+    mib,
+    store_text,
+    tallies,
+    validation_text,
+)
 from p2ptrain.core.roles import ROLES
 from p2ptrain.driver.failures import DEFAULT_MAX_FAILURES
 from p2ptrain.errors import LocalError, ProtocolViolation, TransportError
@@ -607,6 +613,7 @@ def describe_status(status: NodeStatus) -> list[str]:
         f"peers      {status.peers} known, {status.banned} banned; connections "
         f"{links.outbound} out, {links.inbound} in",
     ]
+    lines += [f"{label:<10} {text}" for label, text in admission_rows(status)]
     last = status.last_window
     if last is not None:
         lines.append(f"last       window {last.height}: {last.accepted} accepted ({last.reason})")

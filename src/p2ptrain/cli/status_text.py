@@ -3,6 +3,8 @@ shows, in the same words: one function per fact, each the text after its label."
 
 from __future__ import annotations
 
+import datetime
+
 from p2ptrain.observe.status import NodeStatus, ValidationMetrics
 
 
@@ -95,3 +97,20 @@ def tallies(status: NodeStatus) -> list[tuple[str, str]]:
     if status.metrics_address is not None:
         lines.append(("metrics", f"{status.metrics_address}/metrics and dashboard at /"))
     return lines
+
+
+def admission_rows(status: NodeStatus) -> list[tuple[str, str]]:
+    """On a certificate network: the node's certificate, and the peers it refuses."""
+    rows = []
+    own = status.admission
+    if own is not None:
+        expiry = "never expires"
+        if own.not_after_ms:
+            when = datetime.datetime.fromtimestamp(own.not_after_ms / 1000, datetime.UTC)
+            expiry = f"expires {when:%Y-%m-%d %H:%M} UTC"
+        roles = ", ".join(own.roles) or "any role"
+        named = f"{own.name}, " if own.name else ""
+        rows.append(("admission", f"{named}{roles}, {expiry}, from issuer {own.issuer[:16]}"))
+    for peer in status.revoked:
+        rows.append(("revoked", f"{peer.peer_id[:16]} by {peer.issuer[:16]}: {peer.reason or '-'}"))
+    return rows

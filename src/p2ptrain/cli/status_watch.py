@@ -23,7 +23,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from p2ptrain.cli.status_text import mib, store_text, tallies, validation_text
+from p2ptrain.cli.status_text import (
+    admission_rows,
+    mib,
+    store_text,
+    tallies,
+    validation_text,
+)
 from p2ptrain.errors import P2PTrainError
 from p2ptrain.observe.status import NodeStatus
 
@@ -70,6 +76,8 @@ def _facts(status: NodeStatus) -> Table:
         f"{status.peers} known, {status.banned} banned; connections {links.outbound} out, "
         f"{links.inbound} in",
     )
+    for label, text in admission_rows(status):
+        row(label, text)
     counted = "TCP, as the kernel counted it" if status.wire_measured else "node counters"
     row(
         "traffic",

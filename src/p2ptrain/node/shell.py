@@ -254,6 +254,8 @@ class Node:
         )
         network = self.network.record
         admission = node_certificate(network, self.identity, s.data_dir, s.roles, s.certificate)
+        #: This node's certificate to a certificate network (None: the network needs none).
+        self.admission = None if admission is None else admission.record
         net = NetNode(
             identity=self.identity,
             network=network,

@@ -14,12 +14,15 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
 from p2ptrain.core.encoding import encode
+from p2ptrain.core.envelope import Signed
+from p2ptrain.core.identity import peer_id_of
+from p2ptrain.core.records import AdmissionCertificate, Revocation
 from p2ptrain.driver.participant_runner import ParticipantRunner
 from p2ptrain.errors import LocalError
 from p2ptrain.net.client import MAX_WINDOW_IDS, WindowRecords
@@ -32,9 +35,11 @@ from p2ptrain.observe.dashboard import Snapshot, start_listener, write_peers
 from p2ptrain.observe.memory import peak_rss_mib, rss_after_imports_mib
 from p2ptrain.observe.status import (
     STATUS_FILE,
+    Admission,
     Connections,
     NodeStatus,
     OpenWindow,
+    RevokedPeer,
     encode_status,
 )
 from p2ptrain.observe.telemetry import node_families
@@ -119,6 +124,8 @@ class StatusView:
         )
         after_imports = rss_after_imports_mib()
         return NodeStatus(
+            admission=_admission(node.admission),
+            revoked=() if net is None else _revoked(net.revocations.values()),
             peer_id=node.peer_id,
             roles=tuple(node.settings.roles),
             address=None if net is None else net.address,
@@ -233,6 +240,7 @@ class StatusView:
                 connected=signed.record.peer_id in connected,
                 banned=net.peers.banned(signed.record.peer_id, now),
                 address=signed.record.addresses[0] if signed.record.addresses else None,
+                subject=_subject(net.gatekeeper.certificate_of(signed.record.public_key)),
             )
             for signed in net.peers
         )
@@ -291,3 +299,29 @@ class StatusView:
     def _answer_network(self, target: str) -> Answer:
         body = bytes(self.node.network.envelope.encode())
         return Answer(200, {"Content-Type": "application/msgpack"}, body)
+
+
+def _admission(certificate: AdmissionCertificate | None) -> Admission | None:
+    if certificate is None:
+        return None
+    return Admission(
+        issuer=peer_id_of(certificate.issuer),
+        roles=certificate.roles,
+        not_after_ms=certificate.not_after_ms,
+        name=certificate.name,
+    )
+
+
+def _revoked(revocations: Iterable[Signed[Revocation]]) -> tuple[RevokedPeer, ...]:
+    return tuple(
+        RevokedPeer(
+            peer_id=peer_id_of(r.record.subject),
+            issuer=peer_id_of(r.record.issuer),
+            reason=r.record.reason,
+        )
+        for r in revocations
+    )
+
+
+def _subject(certificate: AdmissionCertificate | None) -> str:
+    return "" if certificate is None else certificate.name

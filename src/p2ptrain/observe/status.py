@@ -16,11 +16,13 @@ from p2ptrain.errors import LocalError
 
 __all__ = [
     "STATUS_FILE",
+    "Admission",
     "Connections",
     "LastWindow",
     "NodeStatus",
     "OpenWindow",
     "PeerReport",
+    "RevokedPeer",
     "RoleError",
     "RoleState",
     "StorageProblem",
@@ -142,6 +144,26 @@ class DataStatus(_Record, frozen=True):
     evicted_shards: int = 0
 
 
+class RevokedPeer(_Record, frozen=True):
+    """A peer whose admission an issuer revoked (this node refuses it)."""
+
+    peer_id: str
+    issuer: str
+    reason: str
+
+
+class Admission(_Record, frozen=True):
+    """This node's own certificate to a certificate network."""
+
+    issuer: str
+    #: The roles it allows (empty: any).
+    roles: tuple[str, ...]
+    #: Its expiry, Unix milliseconds (0: none).
+    not_after_ms: int
+    #: Who the issuer checked the key belongs to ("" when it did not say).
+    name: str
+
+
 class NodeStatus(_Record, frozen=True):
     peer_id: str
     roles: tuple[str, ...]
@@ -198,6 +220,10 @@ class NodeStatus(_Record, frozen=True):
     windows_failed: dict[str, int] = msgspec.field(default_factory=dict)
     updates_accepted: int = 0
     updates_rejected: dict[str, int] = msgspec.field(default_factory=dict)
+    #: On a certificate network: this node's certificate, and the peers it refuses because
+    #: an issuer revoked them.
+    admission: Admission | None = None
+    revoked: tuple[RevokedPeer, ...] = ()
     #: Peers the tip's quarantine book keeps out of the next window.
     quarantined_peers: int = 0
     #: Bytes moved by kind (update, aggregate, state, shard, gossip, other): blobs as

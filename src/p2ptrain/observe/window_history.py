@@ -115,6 +115,8 @@ class PeerView(_Record, frozen=True):
     connected: bool
     banned: bool
     address: str | None
+    #: Who its admission certificate says it is ("" without one, or when it does not say).
+    subject: str = ""
 
 
 def _changed(entry: QuarantineEntry, before: QuarantineEntry | None) -> bool:

@@ -200,6 +200,7 @@
     if (peer.banned) classes.push("banned");
     const describe = [peer.peer_id, list(peer.roles).join(", ") || "roles unknown", peer.connected ? "connected" : "not connected"];
     if (peer.banned) describe.push("banned");
+    if (peer.subject) describe.push("certified: " + peer.subject);
     if (peer.address) describe.push(peer.address);
     const parts = [svg("title", { text: describe.join(" · ") }), svg("circle", { cx: x, cy: y, r: dot })];
     if (peer.banned) {
@@ -435,7 +436,8 @@
     const trainer = status.trainer;
     const lastVal = lastValidation(status, windows);
     const rows = [
-      ["peers", int(status.peers) + " known · " + int(status.banned) + " banned"],
+      ["peers", int(status.peers) + " known · " + int(status.banned) + " banned" +
+        (list(status.revoked).length ? " · " + list(status.revoked).length + " revoked" : "")],
       ["connections", int(conn.outbound) + " outbound · " + int(conn.inbound) + " inbound"],
       ["traffic", formatBytes(int(status.bytes_sent)) + " sent · " + formatBytes(int(status.bytes_received)) + " received"],
       ["store", int(status.store_blobs) + " blobs · " + formatBytes(int(status.store_bytes))],
