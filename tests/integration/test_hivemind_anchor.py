@@ -50,10 +50,25 @@ def anchors_python() -> str:
     return python
 
 
+def _rounds(logs: list[Path]) -> str:
+    """What each peer's hivemind said about its epochs and averaging rounds (verbose)."""
+    told = []
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines()
+        rounds = [line for line in lines if "averag" in line.lower() or "epoch #" in line]
+        told.append(f"{log.name}:\n" + "\n".join(rounds[-30:]))
+    return "\n".join(told)
+
+
 def _train_and_check(python: str, workdir: Path, placement: Placement) -> None:
-    run = run_hivemind(TASK, workdir, placement, ["a", "b"], python=python, timeout_s=120)
+    run = run_hivemind(
+        TASK, workdir, placement, ["a", "b"], python=python, timeout_s=120, verbose=True
+    )
     assert run.epochs == [TASK.windows, TASK.windows]
-    assert run.averaged_epochs >= 1, f"no epoch averaged: see {run.logs}"
+    assert run.averaged_epochs >= 1, (
+        f"no epoch averaged ({run.steps} steps, {run.inner_seconds} s in them): "
+        f"see {run.logs}\n{_rounds(run.logs)}"
+    )
     assert all(seconds > 0 for seconds in run.inner_seconds)
     assert run.launched < run.ended
     snapshots = read_snapshots(run.snapshots)

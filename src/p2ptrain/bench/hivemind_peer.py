@@ -116,10 +116,16 @@ OPTIMIZER_SETTINGS: Final[dict[str, Any]] = {
     "delay_state_averaging": False,
     # Parameters every epoch (hivemind's default too).
     "average_state_every": 1,
-    # Wait up to 3 s for the other peers to join an averaging round: hivemind's docs say
+    # Wait up to 5 s for the other peers to join an averaging round: hivemind's docs say
     # 3-5 s for small local runs. The round starts as soon as all peers are in (see
-    # target_group_size below), so this only bounds the wait for a late peer.
-    "matchmaking_time": 3.0,
+    # target_group_size below), so this only bounds the wait for a late peer (on a loaded
+    # machine a peer's processes can be off the CPU for seconds).
+    "matchmaking_time": 5.0,
+    # A peer that sends no chunk of an all-reduce for this long is excluded from the round
+    # (hivemind's default is matchmaking_time). The round then ends with the peers holding
+    # different weights, so the bound is generous: a stalled round is still cut short by
+    # averaging_timeout, and on an idle LAN no chunk comes anywhere near it.
+    "next_chunk_timeout": 10.0,
     # Give up on an all-reduce after 30 s: hivemind suggests about twice what one takes;
     # one of the default 238k-parameter model (1 MB of fp32; with 4 peers each sends and
     # receives 3/4 of it) takes about a second at 10 Mbit/s per link, and a 30 s bound
@@ -129,9 +135,10 @@ OPTIMIZER_SETTINGS: Final[dict[str, Any]] = {
     "verbose": False,
 }
 
-#: ``averager_opts`` besides the group size: a join request gives up after 1 s (hivemind
-#: warns when this is not below matchmaking_time; its default is 3 s).
-REQUEST_TIMEOUT_S: Final = 1.0
+#: ``averager_opts`` besides the group size: a join request gives up after 2 s (hivemind
+#: warns when this is not below matchmaking_time; its default is 3 s), so a peer can try
+#: twice within one matchmaking period.
+REQUEST_TIMEOUT_S: Final = 2.0
 
 #: ``tracker_opts``: how often a peer reads the swarm's progress from the DHT. hivemind's
 #: defaults (every 3 s until it has seen a peer, then at least 0.5 s apart) let a peer run a
