@@ -26,7 +26,8 @@ PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
 # two environments of `make test` install side by side. Without flock, one after the other.
 ONE_BUILD := $(shell command -v flock >/dev/null 2>&1 && echo "flock build/.install.lock")
 
-.PHONY: test check lint imports types unit anchors-or-skip demo bench bench-anchors dist clean
+.PHONY: test check lint imports types unit anchors-or-skip oidc-or-skip oidc-provider demo bench \
+	bench-anchors dist clean
 
 # What the package and the demo need: a C compiler for the aggregation kernel, torch first
 # (TORCH_SPEC), the package with its `bench` and `hf` extras, and Shakespeare's plays.
@@ -79,7 +80,25 @@ anchors-or-skip:
 	@$(MAKE) --no-print-directory bench-anchors >/dev/null 2>&1 || \
 		echo "warning: hivemind did not install into $(ANCHORS_VENV); its tests will be skipped"
 
-unit: $(DEV_STAMP) anchors-or-skip
+# The issuer's tests sign in at a real OpenID provider (panva's oidc-provider, run by node):
+# installed with npm into build/oidc (node and npm from Debian when missing), skipped (with
+# the reason) when it cannot be.
+OIDC_DIR := build/oidc
+OIDC_STAMP := $(OIDC_DIR)/node_modules/oidc-provider/package.json
+
+oidc-provider: $(OIDC_STAMP)
+
+$(OIDC_STAMP):
+	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; }
+	@mkdir -p $(OIDC_DIR)
+	cd $(OIDC_DIR) && npm install --no-audit --no-fund --silent oidc-provider@9.13.3
+
+oidc-or-skip:
+	@$(MAKE) --no-print-directory oidc-provider >/dev/null 2>&1 || \
+		echo "warning: oidc-provider did not install into $(OIDC_DIR); the issuer's tests will be skipped"
+
+unit: $(DEV_STAMP) anchors-or-skip oidc-or-skip
 	$(PYTEST) --durations=25
 
 # The package's .venv and hivemind's .venv-anchors install side by side (pip keeps one core
@@ -90,7 +109,7 @@ unit: $(DEV_STAMP) anchors-or-skip
 # checks the types beside them (the real-process tests leave a core mostly idle, waiting
 # on the network); make test fails when the tests or the types do.
 test:
-	@$(MAKE) --no-print-directory -j2 --output-sync=target $(DEV_STAMP) anchors-or-skip
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(DEV_STAMP) anchors-or-skip oidc-or-skip
 	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports
 	@$(PY) -m compileall -q src tests/support
 	@mkdir -p build

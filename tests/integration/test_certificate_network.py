@@ -17,6 +17,7 @@ key issues), a validator (q = 1, ``--tls``) and two trainers, each admitted with
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -198,6 +199,18 @@ def test_a_revoked_trainer_is_cut_off_within_5_s(net: Net) -> None:
     net.check(
         admission["name"] == "test:trainer-0" and admission["roles"] == ["trainer"],
         f"trainer-0's status shows its certificate: {admission}",
+    )
+
+    # the dashboard's peer graph draws the revoked peer, crossed, with the name its
+    # certificate gave at the seed's door
+    def revoked_on_the_graph() -> list[dict[str, object]]:
+        peers = json.loads((net.data_dir("seed") / "peers.json").read_text())
+        return [p for p in peers if p["peer_id"] == revoked.peer_id and p.get("revoked")]
+
+    net.wait("the revoked peer on the seed's graph", WAIT_S, lambda: bool(revoked_on_the_graph()))
+    net.check(
+        revoked_on_the_graph()[0]["subject"] == "test:trainer-1",
+        f"the graph names the revoked peer's subject: {revoked_on_the_graph()}",
     )
     # a restarted node cuts the revoked peer off again from what it kept
     cut_before = sum("admission revoked" in line for line in net.log("trainer-0"))

@@ -126,7 +126,7 @@ def parse_expiry(text: str, now_ms: int) -> int:
     return now_ms + int(float(match.group(1)) * _UNIT_S[match.group(2)] * 1000)
 
 
-def _network_of(data_dir: str) -> NetworkManifest | None:
+def network_of(data_dir: str) -> NetworkManifest | None:
     """The network manifest of the node whose data directory is ``data_dir`` (None: it
     follows none)."""
     from p2ptrain.core.envelope import open_envelope
@@ -147,7 +147,7 @@ def _network_of(data_dir: str) -> NetworkManifest | None:
     return None if network is None else open_envelope(network, NetworkManifest).record
 
 
-def _check_issuer(identity: Identity, network: NetworkManifest, data_dir: str) -> None:
+def check_issuer(identity: Identity, network: NetworkManifest, data_dir: str) -> None:
     if network.admission != "certificate":
         raise LocalError(
             f"network {network.name!r} admits peers without certificates (admission "
@@ -172,9 +172,9 @@ def run_admit(args: argparse.Namespace) -> int:
     roles = parse_roles(args.roles)
     expires = parse_expiry(args.expires, now_ms())
     issuer = load_identity(args.dir)
-    network = _network_of(args.dir)
+    network = network_of(args.dir)
     if network is not None:
-        _check_issuer(issuer, network, args.dir)
+        check_issuer(issuer, network, args.dir)
         if args.network not in (None, network.id):
             raise LocalError(
                 f"--network {args.network[:16]}: the node in {args.dir} belongs to network "
@@ -217,7 +217,7 @@ def run_revoke(args: argparse.Namespace) -> int:
     issuer = load_identity(args.dir)
     secret = _read_secret(args.secret_file)
     network, address = asyncio.run(_fetch_network(args.bootstrap))
-    _check_issuer(issuer, network, args.dir)
+    check_issuer(issuer, network, args.dir)
     revocation = seal(
         issuer,
         Revocation(
@@ -230,6 +230,7 @@ def run_revoke(args: argparse.Namespace) -> int:
     )
     if args.out:
         write_atomically(Path(args.out), bytes(revocation.envelope.encode()))
+    _forget_in_ledger(Path(args.dir), subject)
     peer = asyncio.run(_deliver(issuer, network, address, secret, revocation))
     print(
         f"revoked {peer_id_of(subject)[:16]}: handed to {peer[:16]} at {address}, which passes "
@@ -237,6 +238,19 @@ def run_revoke(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _forget_in_ledger(data_dir: Path, subject: bytes) -> None:
+    """In the data directory of an issuing service (``p2ptrain issuer``): the key is never
+    renewed, and no longer counts against its person's limit."""
+    from p2ptrain.issuer.policy import LEDGER_FILE, Ledger
+
+    if (data_dir / LEDGER_FILE).exists():
+        ledger = Ledger(data_dir)
+        try:
+            ledger.revoke(subject)
+        finally:
+            ledger.close()
 
 
 def _read_secret(path: str | None) -> bytes | None:

@@ -43,6 +43,15 @@ COMMANDS: dict[str, Command] = {
         "admission_commands", "sign a peer's admission certificate to a certificate network"
     ),
     "revoke": Command("admission_commands", "withdraw a peer's admission: every node cuts it off"),
+    "issuer": Command(
+        "issuer_commands",
+        "run a certificate network's issuing service (OIDC, OAuth, GitHub sign-in)",
+    ),
+    "sign-in": Command(
+        "issuer_commands", "sign in at a network's issuer: this node's key gets its certificate"
+    ),
+    "invite": Command("issuer_commands", "print an invite that admits newcomers in one command"),
+    "join": Command("issuer_commands", "join a certificate network with an invite and train"),
     "dashboard": Command(
         "dashboard_command", "serve the live dashboard of a node's data directory"
     ),

@@ -23,7 +23,7 @@ import torch
 from p2ptrain.aggregate.codecs import max_update_bytes
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.identity import peer_id_of
-from p2ptrain.core.records import Revocation
+from p2ptrain.core.records import AdmissionCertificate, Revocation
 from p2ptrain.core.tensors import schema_of
 from p2ptrain.driver.failures import FailureBook, RoleFailed
 from p2ptrain.driver.services import PeerServices
@@ -37,6 +37,7 @@ from p2ptrain.node.collector import BlobCollector
 from p2ptrain.node.evaluator import HeadEvaluator
 from p2ptrain.node.gossip_in import GossipIn
 from p2ptrain.node.persist import NodeStore
+from p2ptrain.node.renewal import renewal_for
 from p2ptrain.node.reports import ReportKeeper
 from p2ptrain.node.roles import role_runners
 from p2ptrain.node.setup import NodeSettings, Prepared
@@ -256,6 +257,8 @@ class Node:
         admission = node_certificate(network, self.identity, s.data_dir, s.roles, s.certificate)
         #: This node's certificate to a certificate network (None: the network needs none).
         self.admission = None if admission is None else admission.record
+        #: Its renewal at the issuer it signed in at (None: nobody renews it).
+        self.renewal = renewal_for(s.data_dir, self.identity, admission, self._renewed)
         net = NetNode(
             identity=self.identity,
             network=network,
@@ -274,6 +277,12 @@ class Node:
         for revocation in kept_revocations(store, network):  # cut off before any connection
             net.revoke(revocation)
         return net
+
+    def _renewed(self, certificate: Signed[AdmissionCertificate]) -> None:
+        """Show the renewed ``certificate`` from the next request on."""
+        self.net.client.credentials.use_admission(certificate)
+        self.admission = certificate.record
+        self.view.write()
 
     def _revoked(self, store: NodeStore, signed: Signed[Revocation]) -> None:
         """Keep a revocation; when it is this node's own, stop, saying so."""
@@ -301,6 +310,8 @@ class Node:
                     group.create_task(self.collector.run(snapshot), name="collector")
                 if self.evaluator is not None:
                     group.create_task(self.evaluator.run(), name="evaluator")
+                if self.renewal is not None:
+                    group.create_task(self.renewal.run(), name="renewal")
                 await self._stop.wait()
                 raise _Stopping
         except* _Stopping:

@@ -30,6 +30,7 @@ from p2ptrain.net.content import Answer, text_answer
 from p2ptrain.net.net_metrics import exposition
 from p2ptrain.net.wire_meter import loop_meter
 from p2ptrain.node.collector import CollectorStatistics
+from p2ptrain.node.renewal import CertificateRenewal
 from p2ptrain.node.trainer_runner import TrainerRunner
 from p2ptrain.observe.dashboard import Snapshot, start_listener, write_peers
 from p2ptrain.observe.memory import peak_rss_mib, rss_after_imports_mib
@@ -124,7 +125,7 @@ class StatusView:
         )
         after_imports = rss_after_imports_mib()
         return NodeStatus(
-            admission=_admission(node.admission),
+            admission=_admission(node.admission, node.renewal),
             revoked=() if net is None else _revoked(net.revocations.values()),
             peer_id=node.peer_id,
             roles=tuple(node.settings.roles),
@@ -233,7 +234,7 @@ class StatusView:
             return ()
         now = time.monotonic()
         connected = net.gossip.connections
-        return tuple(
+        known = tuple(
             PeerView(
                 peer_id=signed.record.peer_id,
                 roles=tuple(signed.record.roles),
@@ -244,6 +245,20 @@ class StatusView:
             )
             for signed in net.peers
         )
+        # revoked peers are forgotten by the peer book; the graph still shows them, crossed
+        revoked = tuple(
+            PeerView(
+                peer_id=peer_id_of(key),
+                roles=(),
+                connected=False,
+                banned=True,
+                address=None,
+                subject=_subject(net.gatekeeper.certificate_of(key)),
+                revoked=True,
+            )
+            for key in sorted(net.gatekeeper.revoked)
+        )
+        return known + revoked
 
     async def write_forever(self) -> None:
         try:
@@ -301,7 +316,9 @@ class StatusView:
         return Answer(200, {"Content-Type": "application/msgpack"}, body)
 
 
-def _admission(certificate: AdmissionCertificate | None) -> Admission | None:
+def _admission(
+    certificate: AdmissionCertificate | None, renewal: CertificateRenewal | None
+) -> Admission | None:
     if certificate is None:
         return None
     return Admission(
@@ -309,6 +326,9 @@ def _admission(certificate: AdmissionCertificate | None) -> Admission | None:
         roles=certificate.roles,
         not_after_ms=certificate.not_after_ms,
         name=certificate.name,
+        renews_at="" if renewal is None else renewal.issuer_url,
+        renewed=0 if renewal is None else renewal.renewed,
+        renewal_problem="" if renewal is None else renewal.problem,
     )
 
 

@@ -162,6 +162,12 @@ class Admission(_Record, frozen=True):
     not_after_ms: int
     #: Who the issuer checked the key belongs to ("" when it did not say).
     name: str
+    #: Where the node renews it ("" when nobody does: it does not expire, or came from
+    #: ``p2ptrain admit``), how many times it did since it started, and why the last
+    #: renewal failed ("" when it did not).
+    renews_at: str = ""
+    renewed: int = 0
+    renewal_problem: str = ""
 
 
 class NodeStatus(_Record, frozen=True):

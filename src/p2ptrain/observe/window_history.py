@@ -117,6 +117,8 @@ class PeerView(_Record, frozen=True):
     address: str | None
     #: Who its admission certificate says it is ("" without one, or when it does not say).
     subject: str = ""
+    #: An issuer revoked its admission: this node refuses it for good.
+    revoked: bool = False
 
 
 def _changed(entry: QuarantineEntry, before: QuarantineEntry | None) -> bool:

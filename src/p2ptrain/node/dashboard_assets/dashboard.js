@@ -198,8 +198,10 @@
     const classes = ["node", "peer", "role-" + primaryRole(peer.roles)];
     if (peer.connected) classes.push("connected");
     if (peer.banned) classes.push("banned");
+    if (peer.revoked) classes.push("revoked");
     const describe = [peer.peer_id, list(peer.roles).join(", ") || "roles unknown", peer.connected ? "connected" : "not connected"];
-    if (peer.banned) describe.push("banned");
+    if (peer.revoked) describe.push("admission revoked by an issuer");
+    else if (peer.banned) describe.push("banned");
     if (peer.subject) describe.push("certified: " + peer.subject);
     if (peer.address) describe.push(peer.address);
     const parts = [svg("title", { text: describe.join(" · ") }), svg("circle", { cx: x, cy: y, r: dot })];
@@ -208,7 +210,8 @@
       parts.push(svg("line", { class: "ban-cross", x1: x - d, y1: y - d, x2: x + d, y2: y + d }));
       parts.push(svg("line", { class: "ban-cross", x1: x - d, y1: y + d, x2: x + d, y2: y - d }));
     }
-    parts.push(peerLabel(shortId(peer.peer_id), x, y, angle, dot, dense));
+    const label = shortId(peer.peer_id) + (peer.revoked ? " (revoked)" : "");
+    parts.push(peerLabel(label, x, y, angle, dot, dense));
     return svg("g", { class: classes.join(" "), "data-peer-id": peer.peer_id }, parts);
   }
 
@@ -235,6 +238,7 @@
       ...ROLES.map((r) => el("li", {}, [el("span", { class: "swatch dot role-" + r }), r])),
       el("li", {}, [el("span", { class: "swatch dot role-other" }), "other"]),
       el("li", {}, [el("span", { class: "swatch dot banned-swatch" }), "banned"]),
+      el("li", {}, [el("span", { class: "swatch dot revoked-swatch" }), "revoked"]),
       el("li", {}, [el("span", { class: "swatch line edge-swatch" }), "connected"])
     );
     const phases = document.getElementById("phase-legend");
