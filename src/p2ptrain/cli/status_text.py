@@ -111,6 +111,11 @@ def admission_rows(status: NodeStatus) -> list[tuple[str, str]]:
         roles = ", ".join(own.roles) or "any role"
         named = f"{own.name}, " if own.name else ""
         rows.append(("admission", f"{named}{roles}, {expiry}, from issuer {own.issuer[:16]}"))
+        if own.renews_at:
+            renewed = f", renewed {own.renewed} time(s) since start" if own.renewed else ""
+            rows.append(("renewal", f"at {own.renews_at}{renewed}"))
+        if own.renewal_problem:
+            rows.append(("renewal", f"FAILING: {own.renewal_problem}"))
     for peer in status.revoked:
         rows.append(("revoked", f"{peer.peer_id[:16]} by {peer.issuer[:16]}: {peer.reason or '-'}"))
     return rows

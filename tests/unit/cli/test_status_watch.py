@@ -268,3 +268,20 @@ def test_status_refuses_watch_with_json_and_a_short_interval(
 
     with pytest.raises(LocalError, match=message.replace(".", r"\.")):
         run_status(_status_args(**given))
+
+
+def test_a_certificate_shows_who_it_names_its_renewal_and_why_a_renewal_fails() -> None:
+    from p2ptrain.observe.status import Admission
+
+    admission = Admission(
+        issuer="7c" * 32, roles=("trainer",), not_after_ms=int(NOW * 1000) + 3_600_000,
+        name="github:alice", renews_at="https://sign-in.example.org", renewed=2,
+        renewal_problem="the issuer did not renew this node's certificate: sign in again",
+    )  # fmt: skip
+    text = text_of(render_status(status(admission=admission), target="node-dir", now=NOW))
+    for expected in (
+        "github:alice, trainer, expires",
+        "at https://sign-in.example.org, renewed 2 time(s) since start",
+        "FAILING: the issuer did not renew this node's certificate: sign in again",
+    ):
+        assert expected in text, expected
