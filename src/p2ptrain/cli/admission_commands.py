@@ -14,7 +14,6 @@ seed, running) needs no second connection under its key.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,6 @@ if TYPE_CHECKING:
     from p2ptrain.core.manifests import NetworkManifest
     from p2ptrain.core.records import Revocation
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: How long the courier that carries a revocation is certified for.
 _COURIER_S = 300
 
@@ -118,12 +115,11 @@ def parse_roles(text: str) -> tuple[str, ...]:
 
 def parse_expiry(text: str, now_ms: int) -> int:
     """The expiry in Unix milliseconds (0: never) of a duration from now."""
+    from p2ptrain.issuer.config import parse_duration_s
+
     if text.strip().lower() == "never":
         return 0
-    match = _DURATION.fullmatch(text.strip())
-    if match is None or float(match.group(1)) <= 0:
-        raise LocalError(f"--expires {text!r:.80}: use a duration such as 90d, 12h, 30m, or never")
-    return now_ms + int(float(match.group(1)) * _UNIT_S[match.group(2)] * 1000)
+    return now_ms + int(parse_duration_s(text, "--expires") * 1000)
 
 
 def network_of(data_dir: str) -> NetworkManifest | None:

@@ -76,7 +76,10 @@ _POLICY_KEYS = {
 def parse_duration_s(text: str, where: str) -> float:
     match = _DURATION.fullmatch(str(text).strip())
     if match is None or float(match.group(1)) <= 0:
-        raise LocalError(f"{where} {text!r:.80}: use a duration such as 30d, 12h, 30m or 45s")
+        raise LocalError(
+            f"{where} {text!r:.80}: use a duration such as 90d, 12h, 30m or 45s"
+            + (", or never" if where == "--expires" else "")
+        )
     return float(match.group(1)) * _UNIT_S[match.group(2)]
 
 

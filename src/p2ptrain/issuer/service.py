@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import html
+import json
 import logging
 import secrets
 import time
@@ -216,7 +217,7 @@ class IssuerService:
             return open_request(request.path, body, request.headers.get(SIGNATURE_HEADER, ""))
         except ValueError as exc:
             raise web.HTTPBadRequest(
-                text=f'{{"error": "{exc}"}}', content_type="application/json"
+                text=json.dumps({"error": str(exc)}), content_type="application/json"
             ) from exc
 
     def _forget_stale(self) -> None:
@@ -313,12 +314,15 @@ class IssuerService:
                 return _page("Not signed in", str(exc), 403)
             self._finish(sign_in, proven)
             return self._outcome_page(sign_in)
-        url = await connector.authorization_url(
-            redirect_uri=self._redirect_uri(),
-            state=sign_in.state,
-            verifier=sign_in.verifier,
-            nonce=sign_in.nonce,
-        )
+        try:
+            url = await connector.authorization_url(
+                redirect_uri=self._redirect_uri(),
+                state=sign_in.state,
+                verifier=sign_in.verifier,
+                nonce=sign_in.nonce,
+            )
+        except SignInRefused as exc:
+            return _page("Sign-in unavailable", f"{exc}; try again later", 502)
         raise web.HTTPFound(url)
 
     def _outcome_page(self, sign_in: _SignIn) -> web.Response:

@@ -172,3 +172,16 @@ async def _through_a_proxy(tmp_path: Path) -> None:
         unknown = await client.get("/sign-in/nothing/result")
         assert unknown.status == 404
     ledger.close()
+
+
+def test_durations_read_the_same_in_the_config_and_on_the_command_line() -> None:
+    from p2ptrain.cli.admission_commands import parse_expiry
+    from p2ptrain.issuer.config import parse_duration_s
+
+    assert parse_duration_s("90d", "lifetime") == 90 * 86400
+    assert parse_duration_s("1.5h", "lifetime") == 5400
+    assert parse_expiry("never", 1000) == 0 and parse_expiry("30m", 1000) == 1000 + 1_800_000
+    with pytest.raises(LocalError, match=r"--expires .3 weeks.: use a duration .*, or never"):
+        parse_expiry("3 weeks", 0)
+    with pytest.raises(LocalError, match="lifetime '0s': use a duration"):
+        parse_duration_s("0s", "lifetime")
