@@ -73,7 +73,12 @@ class Members:
 
     def _forward(self, label: str, stdout: IO[bytes]) -> None:
         for line in stdout:
-            self._lines.put((label, json.loads(line)))
+            try:
+                self._lines.put((label, json.loads(line)))
+            except ValueError:  # two events on one line: the member's output is broken
+                self._lines.put(
+                    (label, {"event": "garbled", "line": line.decode(errors="replace")})
+                )
         self._lines.put((label, None))
 
     def wait_until(self, what: str, condition: Callable[[], bool]) -> None:
@@ -86,6 +91,10 @@ class Members:
                 self.fail(f"no {what} after {WAIT_S:g} s")
             if event is not None:
                 self.events[label].append(event)
+                if event["event"] == "garbled":
+                    self.fail(
+                        f"member {label} printed a line that is not one event: {event['line']!r}"
+                    )
 
     def fail(self, message: str) -> None:
         tails = "\n".join(

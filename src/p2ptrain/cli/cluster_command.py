@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -198,8 +200,16 @@ def parse_config(pairs: list[str]) -> dict[str, str | int | float | bool]:
     return config
 
 
+_STDOUT = threading.Lock()
+
+
 def print_line(line: str) -> None:
-    print(line, flush=True)
+    """``line`` on stdout in one write, whole: in pod mode the node's events (relayed by a
+    reader thread) and the member's own come from two threads, and with an unbuffered
+    stdout ``print`` writes a line and its newline apart, so two lines could interleave."""
+    with _STDOUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def _pod_network(args: argparse.Namespace) -> PodNetwork | None:
@@ -275,7 +285,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         )
 
         def show(event: ClusterEvent) -> None:
-            print(encode_event(event) if args.json else describe(event), flush=True)
+            print_line(encode_event(event) if args.json else describe(event))
 
         if network is None:
             member = ClusterMember(settings, identity, on_event=show)
