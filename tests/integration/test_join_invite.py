@@ -16,7 +16,10 @@ signs in). The tests check that:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from p2ptrain.cli.main import main
 from p2ptrain.core.admission import CERTIFICATE_FILE, read_certificate
 from p2ptrain.core.envelope import open_envelope
 from p2ptrain.core.manifests import NetworkManifest
@@ -101,9 +105,18 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         net.close()
 
 
+def in_process(*args: str) -> tuple[int, str, str]:
+    """``p2ptrain ARGS`` run in this process (no interpreter to start): its exit code,
+    standard output and error output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def _invite(net: Net, *options: str, bootstrap: str | None = None) -> str:
     assert net.network.seed is not None and net.network.seed.address is not None
-    made = p2ptrain(
+    code, out, err = in_process(
         "invite", "--dir", str(net.data_dir("issuer")),
         "--issuer-url", net.issuer_url,  # type: ignore[attr-defined]
         "--bootstrap", bootstrap or net.network.seed.address,
@@ -111,8 +124,8 @@ def _invite(net: Net, *options: str, bootstrap: str | None = None) -> str:
         "--network", net.network_id,  # type: ignore[attr-defined]
         *options,
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    return made.stdout.strip()
+    assert code == 0, err
+    return out.strip()
 
 
 def _join(net: Net, name: str, invite: str) -> subprocess.Popen[str]:
@@ -155,27 +168,35 @@ def test_a_newcomer_joins_with_the_invite_alone_and_trains(net: Net) -> None:
     assert certificate.name == "invite:newcomer" and certificate.roles == ("trainer",)
     # again on the same directory: the kept certificate, no second use of the invite
     again = _join(net, "newcomer", invite)
-    events = _accepted_in(again, time.monotonic() + WAIT_S)
+    assert again.stdout is not None
+    before_ready = []
+    for line in again.stdout:
+        event = json.loads(line) if line.startswith("{") else {}
+        if event.get("event") == "ready":
+            break
+        before_ready.append(event)
+    again.send_signal(signal.SIGINT)
+    again.wait(60)
     assert again.returncode == 0, (net.workdir / "newcomer.log").read_text()[-2000:]
-    assert not [e for e in events if e.get("event") == "admitted"]
+    assert not [e for e in before_ready if e.get("event") == "admitted"], before_ready
     net.invite = invite  # type: ignore[attr-defined]
 
 
 def test_used_up_expired_damaged_and_unreachable_invites_are_refused(net: Net) -> None:
     used: str = net.invite  # type: ignore[attr-defined]
-    second = p2ptrain("join", used, "--dir", str(net.data_dir("second")))
-    assert second.returncode != 0
-    assert "this invite was used up: it admits 1 key, and all were admitted" in second.stderr
+    code, _, err = in_process("join", used, "--dir", str(net.data_dir("second")))
+    assert code != 0
+    assert "this invite was used up: it admits 1 key, and all were admitted" in err
     expired = _invite(net, "--expires", "1s")
     expiry = read_invite(expired).expires_ms / 1000
-    net.wait("the invite's expiry", 10, lambda: time.time() > expiry)
-    late = p2ptrain("join", expired, "--dir", str(net.data_dir("late")))
-    assert late.returncode != 0 and "this invite expired at" in late.stderr, late.stderr
-    damaged = p2ptrain("join", used[:-6] + "AAAAAA", "--dir", str(net.data_dir("late")))
-    assert damaged.returncode != 0 and "signature does not verify" in damaged.stderr
+    net.wait_until("the invite's expiry", 10, lambda: time.time() > expiry)
+    code, _, err = in_process("join", expired, "--dir", str(net.data_dir("late")))
+    assert code != 0 and "this invite expired at" in err, err
+    code, _, err = in_process("join", used[:-6] + "AAAAAA", "--dir", str(net.data_dir("late")))
+    assert code != 0 and "signature does not verify" in err, err
     nowhere = _invite(net, bootstrap="http://127.0.0.1:9")
-    lost = p2ptrain("join", nowhere, "--dir", str(net.data_dir("late")))
-    assert lost.returncode != 0
-    assert "none of the invite's bootstraps answered: http://127.0.0.1:9" in lost.stderr
+    code, _, err = in_process("join", nowhere, "--dir", str(net.data_dir("late")))
+    assert code != 0
+    assert "none of the invite's bootstraps answered: http://127.0.0.1:9" in err, err
     for name in ("second", "late"):
         assert not (net.data_dir(name) / CERTIFICATE_FILE).exists()

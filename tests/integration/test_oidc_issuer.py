@@ -195,7 +195,7 @@ def test_people_sign_in_with_a_browser_or_a_device_and_their_trainers_train(net:
         lambda: all(_accepted(net, t) for t in ("trainer-alice", "trainer-bob")),
     )
     for name, login in (("trainer-alice", "alice"), ("trainer-bob", "bob")):
-        net.wait(f"{name}'s status", WAIT_S, (net.data_dir(name) / "status.json").exists)
+        net.wait_until(f"{name}'s status", WAIT_S, (net.data_dir(name) / "status.json").exists)
         admission = net.status(name)["admission"]
         assert admission["name"] == issuer.subject(login) and admission["renews_at"] == issuer.url
 
@@ -217,7 +217,7 @@ def test_certificates_are_renewed_before_they_expire_and_training_goes_on(net: N
     if not first.not_after_ms:
         pytest.fail("the issuer's certificates should expire")
     expiry = first.not_after_ms / 1000
-    net.wait(
+    net.wait_until(
         "the first certificate's expiry",
         LIFETIME_S + 10,
         lambda: time.time() > expiry + 1,

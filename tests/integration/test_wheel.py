@@ -64,7 +64,9 @@ def test_the_wheel_carries_the_kernel_and_runs_the_demo_without_a_compiler(
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    # without compiling every module's bytecode at install (half a minute of torch alone):
+    # the demo's first processes compile what they import, and keep it
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
     _run([*pip, *TORCH_SPEC], timeout=INSTALL_TIMEOUT_S)
     _run([*pip, str(wheel)], timeout=INSTALL_TIMEOUT_S)
     # the demo's text (README: the demo's data)

@@ -125,13 +125,13 @@ def parse_expiry(text: str, now_ms: int) -> int:
 def network_of(data_dir: str) -> NetworkManifest | None:
     """The network manifest of the node whose data directory is ``data_dir`` (None: it
     follows none)."""
+    if not (Path(data_dir) / "node.db").exists():
+        return None
     from p2ptrain.core.envelope import open_envelope
     from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
     from p2ptrain.node.persist import NodeStore
     from p2ptrain.store.datadir import DataDir
 
-    if not (Path(data_dir) / "node.db").exists():
-        return None
     with DataDir(data_dir) as datadir:
         store = NodeStore(datadir)
         experiment_id = store.experiment_id()

@@ -278,13 +278,13 @@ def run_sign_in(args: argparse.Namespace) -> int:
 
 def _node_experiment(data_dir: str) -> tuple[str, str] | None:
     """The network and experiment ids of the node in ``data_dir`` (None: none)."""
+    if not (Path(data_dir) / "node.db").exists():
+        return None
     from p2ptrain.core.envelope import open_envelope
     from p2ptrain.core.manifests import ExperimentManifest
     from p2ptrain.node.persist import NodeStore
     from p2ptrain.store.datadir import DataDir
 
-    if not (Path(data_dir) / "node.db").exists():
-        return None
     with DataDir(data_dir) as datadir:
         store = NodeStore(datadir)
         experiment_id = store.experiment_id()
@@ -305,7 +305,7 @@ def run_invite(args: argparse.Namespace) -> int:
     expires = parse_expiry(args.expires, now_ms())
     if args.uses < 1:
         raise LocalError(f"--uses {args.uses}: at least 1")
-    known = _node_experiment(args.dir)
+    known = None if args.network and args.experiment else _node_experiment(args.dir)
     network_id = args.network or (known[0] if known else None)
     experiment_id = args.experiment or (known[1] if known else None)
     if network_id is None or experiment_id is None:
