@@ -1,6 +1,6 @@
 """``p2ptrain bench chaos`` end to end, kept short: one run with a shortened fault budget and
-a short "long" outage and joiner (20 heights, within one catch-up page; about two and a half
-minutes on 2 cores). Its JSON has every field the issue names, the faults it played are
+a short "long" outage and joiner (10 heights, within one catch-up page; about two minutes
+on 2 cores). Its JSON has every field the issue names, the faults it played are
 counted, and no store is corrupt and no replica diverged. Stalls are not asserted: whether
 the network recovers in time is what the bench measures, not what this test checks. As root
 the nodes run in network namespaces and the run has a partition.
@@ -41,8 +41,8 @@ FIELDS = {
 @pytest.mark.timeout(420)
 def test_one_short_chaos_run_reports_sound_stores(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "p2ptrain", "bench", "chaos", "--runs", "1",
-               "--seed", str(SEED), "--duration-s", "12", "--long-every", "1",
-               "--outage-heights", "20", "--json", "--workdir", str(tmp_path)]  # fmt: skip
+               "--seed", str(SEED), "--duration-s", "8", "--long-every", "1",
+               "--outage-heights", "10", "--json", "--workdir", str(tmp_path)]  # fmt: skip
     print(f"seed {SEED}: {' '.join(command)}")
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
     print(done.stderr)

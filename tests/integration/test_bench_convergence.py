@@ -19,7 +19,12 @@ from p2ptrain.torch.baseline import ddp_bytes_per_worker
 
 TINY = dict(TINY_WORKLOAD)
 TASK = Task(workers=2, windows=2, inner_steps=5, config=TINY)
-PARAMETERS = sum(w.numel() for w in build_workload(TASK).initial_weights().values())
+
+
+def _parameters() -> int:
+    """The task's parameter count (built when a test runs, not at collection: building the
+    workload costs every worker seconds)."""
+    return sum(w.numel() for w in build_workload(TASK).initial_weights().values())
 
 
 def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:
@@ -55,7 +60,7 @@ def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:
     assert 0 < ours["compute_utilisation"] <= 1
     # each trainer downloaded the genesis weights (fp32) and every certified head's
     # aggregate (int4: half a byte a parameter)
-    assert ours["bytes_per_trainer_received"] > (4 + TASK.windows // 2) * PARAMETERS
+    assert ours["bytes_per_trainer_received"] > (4 + TASK.windows // 2) * _parameters()
     return report
 
 
@@ -75,7 +80,7 @@ def test_namespaces_read_bytes_from_the_interfaces(tmp_path: Path) -> None:
     ddp, ours = report["systems"]["ddp"], report["systems"]["p2ptrain"]
     assert ddp["bytes_source"] == ours["bytes_source"] == "interfaces"
     # a rank's link carried at least what its all-reduces had to move, each way
-    each_way = ddp_bytes_per_worker(PARAMETERS, TASK.steps, TASK.workers)
+    each_way = ddp_bytes_per_worker(_parameters(), TASK.steps, TASK.workers)
     assert ddp["bytes_per_trainer_sent"] > each_way
     assert ddp["bytes_per_trainer_received"] > each_way
     # all of our nodes sent at least what the trainers received from them

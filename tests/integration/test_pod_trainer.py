@@ -45,11 +45,12 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         net.wait_ready(["validator-0", "trainer-0", "pod"])
         yield net
     finally:
-        for pid in _pod_ranks(net):
+        ranks = _pod_ranks(net)  # found by their parent, torchrun, while it runs
+        for pid in ranks:
             _signal(pid, signal.SIGCONT)
         net.close()
-        for pid in _pod_ranks(net):  # torchrun reaps its ranks; never leave one behind
-            _signal(pid, signal.SIGKILL)
+        for pid in ranks:  # torchrun reaps its ranks, and a rank exits without it; never
+            _signal(pid, signal.SIGKILL)  # leave one behind holding the node's output pipe
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -1,8 +1,8 @@
 """The wheel, as a user installs it (make dist): built from the sdist with the aggregation
 kernel compiled in, installed with the CPU torch into a fresh virtual environment outside
-the checkout with no C compiler on PATH; ``p2ptrain --version`` and a two-window demo run
-from another directory, and the demo's nodes aggregated with the kernel of the wheel (not
-compiled, not the torch fallback).
+the checkout with no C compiler on PATH; ``p2ptrain --version`` and a two-window demo (5
+inner steps a window) run from another directory, and the demo's nodes aggregated with the
+kernel of the wheel (not compiled, not the torch fallback).
 
 Packages come from pip's cache (the checkout's own installs filled it), so the test costs
 the build, the unpacking and the demo: about two minutes on two cores."""
@@ -86,8 +86,9 @@ def test_the_wheel_carries_the_kernel_and_runs_the_demo_without_a_compiler(
     version = _run([command, "--version"], timeout=60, cwd=elsewhere, env=env)
     assert version.startswith("p2ptrain ")
 
+    demo = ["demo", "--windows", "2", "--trainers", "2", "--inner-steps", "5", "--no-baseline"]
     out = _run(
-        [command, "demo", "--windows", "2", "--trainers", "2", "--no-baseline", "--json"],
+        [command, *demo, "--json"],
         timeout=DEMO_TIMEOUT_S,
         cwd=elsewhere,
         env=env,

@@ -478,6 +478,11 @@ def run_node_command(args: argparse.Namespace) -> int:
         restarts = config.get("pod_restarts") if restarts is None else restarts
         return launch_pod(args.argv, int(ranks), restarts)
     settings = settings_from(args)
+    if settings.pod is not None:
+        from p2ptrain.node.parent_death import exit_with_parent
+
+        # a rank outlives a torchrun agent that was killed: no rank trains on alone
+        exit_with_parent(f"pod rank {settings.pod.rank}")
     if settings.pod is not None and settings.pod.rank > 0:
         from p2ptrain.node.pod import run_pod_rank
 

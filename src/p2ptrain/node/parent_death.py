@@ -26,9 +26,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
-__all__ = ["bound_to_this_process", "guards_children"]
+__all__ = ["bound_to_this_process", "exit_with_parent", "guards_children"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +47,28 @@ def bound_to_this_process(command: Sequence[str]) -> list[str]:
     if not guards_children():
         return list(command)
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), *command]
+
+
+def exit_with_parent(what: str, poll_s: float = 0.5) -> None:
+    """End this process once the process that started it has ended: for a process that
+    another program starts (a pod rank, started by torchrun's agent), which cannot be
+    wrapped by :func:`bound_to_this_process`. A daemon thread reads the parent's pid every
+    ``poll_s``; once the process has been handed to another parent it says so and exits at
+    once (``os._exit``: a rank stuck in a collective or in torch.distributed's teardown
+    would not get further), as the agent's own SIGKILL would have ended it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(
+            f"{what}: the process that started it (pid {parent}) has ended; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _die_with_parent() -> str | None:

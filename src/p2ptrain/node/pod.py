@@ -32,7 +32,6 @@ from p2ptrain.node.setup import NodeSettings
 from p2ptrain.node.workload_check import build_workload
 from p2ptrain.torch.placement import resolve_device
 from p2ptrain.torch.pod import PodGroup, PodReplica, PodSettings, follow, split_batch
-from p2ptrain.torch.pod_fsdp import make_replica
 from p2ptrain.torch.workload import (
     LOSS_AFTER_STEPS,
     TorchWorkload,
@@ -192,6 +191,15 @@ class PodWorkload:
         return self.inner.validation_missing
 
 
+def _make_replica(group: PodGroup, workload: TorchWorkload, wrap: str) -> PodReplica:
+    """The workload's model wrapped for the pod. torch.distributed's FSDP and checkpoint
+    modules are imported here, when a pod forms: importing them takes every process that
+    loads this module (each trainer) a second and a half."""
+    from p2ptrain.torch.pod_fsdp import make_replica
+
+    return make_replica(group, workload, batch_size=workload.batch_size, wrap=wrap)
+
+
 def form_pod(pod: PodSettings, workload: Workload, manifest: ExperimentManifest) -> PodWorkload:
     """Rank 0: form the pod's process groups, tell the ranks the experiment and the wrap,
     wait until each built its workload, and wrap the model (blocking: run it off the event
@@ -203,7 +211,7 @@ def form_pod(pod: PodSettings, workload: Workload, manifest: ExperimentManifest)
         command = {"kind": "experiment", "manifest": encode(manifest).hex(), "wrap": wrap}
         group.send_command(command)
         group.barrier()
-        replica = make_replica(group, inner, batch_size=inner.batch_size, wrap=wrap)
+        replica = _make_replica(group, inner, wrap)
     except BaseException:
         group.close()
         raise
@@ -231,7 +239,7 @@ def run_pod_rank(settings: NodeSettings, pod: PodSettings) -> int:
             workload.place(device)
         group.barrier()
         wrap = str(command.get("wrap", "ddp"))
-        replica = make_replica(group, workload, batch_size=workload.batch_size, wrap=wrap)
+        replica = _make_replica(group, workload, wrap)
         logger.info("pod rank %d of %d: ready (pid in the pod's log)", pod.rank, pod.world_size)
 
         def starting(window: dict[str, Any]) -> None:

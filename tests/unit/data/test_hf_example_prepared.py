@@ -16,7 +16,11 @@ from p2ptrain.data.prepare import read_prepared
 from p2ptrain.data.shard_format import open_shard
 
 pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+# found, not imported (pyarrow and pandas cost every worker seconds of collection)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None,
+    reason="datasets is not installed (pip install 'p2ptrain[hf]')",
+)
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "hf_gpt2"
 
