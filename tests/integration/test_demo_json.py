@@ -28,12 +28,19 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
     assert summary["bytes_measured"] == "tcp"
     # each trainer uploaded two int4 updates (an eighth of the fp32 weights, each) ...
     assert sent > 2 * weights_bytes // 8
-    # ... and downloaded the genesis weights, then each head's aggregate rounded to 4 bits
-    # (an eighth of the weights: the demo's aggregation.precision) and the control traffic,
-    # never a head's weights and momentum (2x the weights a head: 7x in all) nor float32
-    # aggregates (1x a head: 4x in all)
-    assert weights_bytes < received < 3 * weights_bytes
+    # ... and downloaded each head's aggregate rounded to 4 bits (an eighth of the weights:
+    # the demo's aggregation.precision) and the control traffic: never the genesis weights
+    # (each trainer built them from the workload, and they hashed to the manifest's), nor a
+    # head's weights and momentum (2x the weights a head: 6x in all), nor float32
+    # aggregates (1x a head: 3x in all)
+    assert 2 * weights_bytes // 8 < received < weights_bytes
     assert summary["bytes_per_trainer"] == sent + received
+    # the trainers' own counters say what the downloads were: aggregates and gossip only,
+    # with little else on the wire (HTTP and TCP framing)
+    by_kind = summary["bytes_per_trainer_received_by_kind"]
+    assert set(by_kind) == {"aggregate", "gossip"}, by_kind
+    assert received <= 1.2 * (by_kind["aggregate"] + by_kind["gossip"])
+    assert summary["bytes_per_trainer_sent_by_kind"]["update"] > 2 * weights_bytes // 8
     assert summary["ddp_bytes_formula"].startswith("ring all-reduce")
     assert 0 < summary["compute_utilisation"] <= 1
     # the loss curve: genesis, then every certified window, later and dearer than the last

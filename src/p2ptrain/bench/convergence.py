@@ -238,6 +238,7 @@ def _run_system(
             system.launched, system.ended = run.launched, run.ended
             system.points = _evaluate_heads(task, run)
             system.extra["compute_utilisation"] = mean_utilisation(run.trained.values())
+            system.extra.update(_trainer_bytes_by_kind(workdir, system.trainer_hosts))
     system.cpu_seconds = _cpu_of_children() - cpu
     if lab is None:  # loopback: each system's own counters
         if name == "ddp":
@@ -272,6 +273,18 @@ def _status_counters(hosts: Sequence[str], workdir: Path) -> Counters:
         else:
             counters[host] = (0, 0)
     return counters
+
+
+def _trainer_bytes_by_kind(workdir: Path, trainers: Sequence[str]) -> dict[str, Any]:
+    """The trainers' mean bytes by kind, downloads and uploads, as their own counters
+    attributed them (aggregates, full states, shards, gossip...) in their last status."""
+    from p2ptrain.observe.status import mean_bytes_by_kind, read_status
+
+    statuses = [read_status(workdir / host) for host in trainers]
+    return {
+        "bytes_per_trainer_received_by_kind": mean_bytes_by_kind(statuses, "received"),
+        "bytes_per_trainer_sent_by_kind": mean_bytes_by_kind(statuses, "sent"),
+    }
 
 
 def _deadline_s(task: Task) -> float:

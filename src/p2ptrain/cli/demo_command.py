@@ -386,6 +386,12 @@ def _mean_bytes(statuses: list[NodeStatus]) -> tuple[int, int]:
     return sent, sum(s.bytes_received for s in statuses) // len(statuses)
 
 
+def _by_kind_text(by_kind: dict[str, int]) -> str:
+    """``{"aggregate": 3_060_000, ...}`` as "3.06 MB aggregate, ..." (largest first)."""
+    ordered = sorted(by_kind.items(), key=lambda item: -item[1])
+    return ", ".join(f"{n / 1e6:.2f} MB {kind}" for kind, n in ordered) or "none counted"
+
+
 def _follow(
     network: Any,
     windows: int,
@@ -458,7 +464,7 @@ def _summarise(
     from p2ptrain.data.shards import lease_indices
     from p2ptrain.node.export import canonical_weights, export_checkpoint, export_hf
     from p2ptrain.node.trainer_runner import window_seed
-    from p2ptrain.observe.status import read_status
+    from p2ptrain.observe.status import mean_bytes_by_kind, read_status
     from p2ptrain.protocol.leases import lease_for
     from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
     from p2ptrain.torch.capabilities import ReportsEvaluation, TorchModule
@@ -492,6 +498,10 @@ def _summarise(
         "bytes_per_trainer_sent": sent,
         "bytes_per_trainer_received": received,
         "bytes_per_trainer": sent + received,
+        # what the trainers' own counters attribute them to: downloads by kind (aggregates,
+        # full states, shards, gossip) and uploads by kind
+        "bytes_per_trainer_received_by_kind": mean_bytes_by_kind(statuses, "received"),
+        "bytes_per_trainer_sent_by_kind": mean_bytes_by_kind(statuses, "sent"),
         "bytes_measured": "tcp" if all(s.wire_measured for s in statuses) else "node counters",
         "aggregation_backend": _backends(every),
         "nodes": _node_figures(every),
@@ -654,6 +664,14 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         f"{summary['bytes_per_trainer_sent'] / 1e6:.2f} MB sent, "
         f"{summary['bytes_per_trainer_received'] / 1e6:.2f} MB received",
     )
+    if summary.get("bytes_per_trainer_received_by_kind") is not None:
+        table.add_row(
+            "a trainer's downloads by kind",
+            _by_kind_text(summary["bytes_per_trainer_received_by_kind"]),
+        )
+        table.add_row(
+            "a trainer's uploads by kind", _by_kind_text(summary["bytes_per_trainer_sent_by_kind"])
+        )
     table.add_row(
         "DDP would send + receive",
         f"{summary['ddp_bytes_per_trainer'] / 1e6:.1f} MB by formula  "

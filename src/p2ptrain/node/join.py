@@ -3,8 +3,10 @@
 The signed network manifest comes from the bootstrap seeds (without credentials; it is only
 trusted because the experiment, whose id we were given, names its id), then the experiment
 manifest (checked to hash to the id) and the genesis weights (checked against the manifest)
-with signed requests. Every bootstrap is asked at once and every one that answers serves
-the genesis weights; the join fails only when all of them failed, saying what each did.
+with signed requests. A trainer builds the genesis weights from its workload instead, and
+downloads them only when what it built differs. Every bootstrap is asked at once and every
+one that answers serves the genesis weights; the join fails only when all of them failed,
+saying what each did.
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ import asyncio
 import logging
 import time
 
+from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, open_envelope
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import ExperimentManifest, NetworkManifest
-from p2ptrain.core.tensors import schema_hash
+from p2ptrain.core.tensors import encode_state_dict, schema_hash
 from p2ptrain.errors import LocalError, ProtocolViolation, StorageFault, TransportError
 from p2ptrain.net.auth import ClientCredentials
 from p2ptrain.net.client import PeerClient, fetch_network_manifest
 from p2ptrain.net.transfer import BlobFetcher
 from p2ptrain.node.admission import node_certificate
 from p2ptrain.node.persist import NodeStore, decode_genesis
-from p2ptrain.node.setup import NodeSettings, Prepared, remember_manifests
+from p2ptrain.node.setup import GenesisBuilder, NodeSettings, Prepared, remember_manifests
 
 __all__ = ["joined"]
 
@@ -80,11 +83,17 @@ class _Answers:
 
 
 async def joined(
-    settings: NodeSettings, identity: Identity, store: NodeStore, experiment_id: str
+    settings: NodeSettings,
+    identity: Identity,
+    store: NodeStore,
+    experiment_id: str,
+    build_genesis: GenesisBuilder | None = None,
 ) -> Prepared:
-    """Ask every bootstrap at once for the experiment and keep every one that answers: the
-    genesis weights come from all that answered by the time the first did and a short grace
-    passed (the fetcher races them and drops a slow one); should that fetch fail, it
+    """Ask every bootstrap at once for the experiment and keep every one that answers.
+    A node that builds the experiment's workload (``build_genesis``: a trainer) builds the
+    genesis weights from it and downloads nothing when they hash to the manifest's. Else
+    the genesis weights come from all that answered by the time the first did and a short
+    grace passed (the fetcher races them and drops a slow one); should that fetch fail, it
     resumes from those that answered since. No request is cancelled while the join may
     still need it, so the join fails only once every bootstrap failed, saying what each
     did."""
@@ -94,7 +103,14 @@ async def joined(
     }
     answers = _Answers(asks)
     try:
-        prepared = await _genesis_from(settings, identity, store, experiment_id, answers)
+        prepared = None
+        if build_genesis is not None:
+            while answers.manifests is None and answers.pending:
+                await answers.wait_next()
+            if answers.manifests is not None:
+                prepared = await _built_here(identity, store, answers.manifests, build_genesis)
+        if prepared is None:
+            prepared = await _genesis_from(settings, identity, store, experiment_id, answers)
     finally:
         for task in asks:  # the join has what it needs (or failed): the rest are not asked
             task.cancel()
@@ -106,6 +122,51 @@ async def joined(
         + "; ".join(f"{a}: {answers.errors[a]}" for a in addresses)
         + ". Check the seed addresses and that the seeds run this experiment"
     )
+
+
+async def _built_here(
+    identity: Identity,
+    store: NodeStore,
+    manifests: _Manifests,
+    build_genesis: GenesisBuilder,
+) -> Prepared | None:
+    """The experiment with the genesis weights this node built (its workload's initial
+    weights), when they are the manifest's, byte for byte; None (saying why) when they
+    cannot be built here or differ: the join downloads them."""
+    network, experiment = manifests
+    expected = experiment.record.genesis_weights
+    try:
+        weights = await asyncio.to_thread(build_genesis.build, experiment.record)
+        blob = await asyncio.to_thread(encode_state_dict, weights)
+    except LocalError as exc:
+        logger.info("the genesis weights cannot be built here (%s); downloading them", exc)
+        return None
+    built = sha256_hex(blob)
+    if built != expected:
+        logger.log(
+            logging.WARNING if build_genesis.expected else logging.INFO,
+            "the workload's initial weights here hash to %s, experiment %s's genesis weights "
+            "to %s (a model initialised otherwise: unseeded, or another library version); "
+            "downloading the experiment's. A factory that seeds its model (torch.manual_seed) "
+            "builds them on every trainer instead",
+            built[:12],
+            experiment.record_id[:16],
+            expected[:12],
+        )
+        return None
+    try:
+        store.blobs.put(blob)
+    except StorageFault as exc:
+        raise LocalError(
+            f"cannot store the genesis weights of experiment {experiment.record_id[:16]}: "
+            f"{exc.problem} ({exc.path}); free disk space there (or make it writable) and "
+            "start the node again"
+        ) from exc
+    logger.info(
+        "genesis weights %s built from the workload (the manifest's hash): not downloaded",
+        expected[:12],
+    )
+    return _adopted(identity, store, network, experiment)
 
 
 async def _genesis_from(

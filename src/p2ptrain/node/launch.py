@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+import torch
 
 from p2ptrain.aggregate import native
 from p2ptrain.core.manifests import DatasetManifest, ExperimentManifest, ShardInfo
@@ -28,7 +30,7 @@ from p2ptrain.net.wire_meter import metered_loop
 from p2ptrain.node.data_import import attach_validation, import_prepared
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.pod import PodWorkload, form_pod
-from p2ptrain.node.setup import NodeSettings, Prepared, prepare
+from p2ptrain.node.setup import GenesisBuilder, NodeSettings, Prepared, prepare
 from p2ptrain.node.shard_cache import CACHE_FILE, ShardCache
 from p2ptrain.node.shell import Node
 from p2ptrain.node.workload_check import build_workload, check_workload, experiment_workload
@@ -71,15 +73,18 @@ async def serve(
         await asyncio.to_thread(native.available)
     with DataDir(settings.data_dir, exclusive=True) as datadir:
         store = NodeStore(datadir)
-        prepared = await prepare(settings, store)
+        trainer = _OnceBuilt(settings, workload) if "trainer" in settings.roles else None
+        prepared = await prepare(
+            settings, store, build_genesis=None if trainer is None else trainer.genesis_builder()
+        )
         manifest = prepared.experiment.record
         if settings.serve_data is not None:
             import_prepared(store.blobs, read_prepared(settings.serve_data), manifest.dataset)
         chosen: Workload | None = None
         pod: PodWorkload | None = None
         shards: ShardCache | None = None
-        if "trainer" in settings.roles:
-            chosen, shards = _trainer_workload(settings, prepared, store, workload, dry_run)
+        if trainer is not None:
+            chosen, shards = _trainer_workload(settings, prepared, store, trainer, dry_run)
             if settings.pod is not None:  # rank 0 of a pod: the ranks train its windows
                 pod = await asyncio.to_thread(form_pod, settings.pod, chosen, manifest)
                 chosen = pod
@@ -118,21 +123,45 @@ async def serve(
                 pod.close()
 
 
+class _OnceBuilt:
+    """A trainer's workload, built once from the experiment's manifest: while joining (its
+    initial weights are the genesis weights, so they need not be downloaded), or after."""
+
+    def __init__(self, settings: NodeSettings, source: WorkloadSource | None) -> None:
+        self._settings, self._source = settings, source
+        self._built: Workload | None = None
+
+    def workload(self, manifest: ExperimentManifest) -> Workload:
+        if self._built is None:
+            if self._source is None:
+                self._built = build_workload(manifest, self._settings.workload)
+            elif callable(self._source):
+                self._built = self._source(manifest)
+            else:
+                self._built = self._source
+        return self._built
+
+    def genesis(self, manifest: ExperimentManifest) -> Mapping[str, torch.Tensor]:
+        return self.workload(manifest).initial_weights()
+
+    def genesis_builder(self) -> GenesisBuilder:
+        # a workload built by name or reference from the manifest should start from its
+        # genesis weights; the Trainer API's (a callable) or a given object need not
+        return GenesisBuilder(self.genesis, expected=self._source is None)
+
+
 def _trainer_workload(
     settings: NodeSettings,
     prepared: Prepared,
     store: NodeStore,
-    workload: WorkloadSource | None,
+    trainer: _OnceBuilt,
     dry_run: bool,
 ) -> tuple[Workload, ShardCache | None]:
     """The trainer's workload, checked against the experiment, on its device, its prepared
     shards attached (and their cache), after one dry batch."""
     manifest = prepared.experiment.record
     shards: ShardCache | None = None
-    if workload is None:
-        built = build_workload(manifest, settings.workload)
-    else:
-        built = workload(manifest) if callable(workload) else workload
+    built = trainer.workload(manifest)
     if manifest.dataset.kind == "sharded":
         shards = ShardCache(
             store.blobs,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from p2ptrain.torch.pod import PodSettings
 __all__ = [
     "DEFAULT_DATA_CACHE_MB",
     "ROLES",
+    "GenesisBuilder",
     "NodeSettings",
     "Prepared",
     "definition_data",
@@ -221,7 +223,25 @@ def _identity(data_dir: Path) -> Identity:
     return create_identity(data_dir)
 
 
-async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
+@dataclass(frozen=True)
+class GenesisBuilder:
+    """What builds the experiment's genesis weights on this machine (a trainer's workload,
+    built from the experiment's manifest), so that a join need not download them."""
+
+    build: Callable[[ExperimentManifest], Mapping[str, torch.Tensor]]
+    #: whether they should be the manifest's: built from the manifest's workload (a
+    #: difference is worth a warning), not taken from a model the user built (Trainer API),
+    #: whose weights are its own until the network's replace them
+    expected: bool
+
+
+async def prepare(
+    settings: NodeSettings, store: NodeStore, *, build_genesis: GenesisBuilder | None = None
+) -> Prepared:
+    """The node's identity, the manifests it follows and the genesis weights: restored from
+    its data directory, created from an experiment definition (a seed), or joined through
+    the bootstraps (``build_genesis``: the genesis weights built here, checked against the
+    manifest's hash and downloaded only when they differ)."""
     identity = _identity(settings.data_dir)
     known = store.experiment_id()
     if known is not None:
@@ -249,7 +269,7 @@ async def prepare(settings: NodeSettings, store: NodeStore) -> Prepared:
         raise LocalError("joining needs a seed: pass --bootstrap http://SEED:PORT")
     from p2ptrain.node.join import joined  # it builds on this module's records
 
-    return await joined(settings, identity, store, settings.experiment_id)
+    return await joined(settings, identity, store, settings.experiment_id, build_genesis)
 
 
 def _restored(identity: Identity, store: NodeStore, experiment_id: str) -> Prepared:

@@ -7,6 +7,7 @@ seconds, at each certified window and when it stops) and answers it at ``GET /v1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "ValidationMetrics",
     "decode_status",
     "encode_status",
+    "mean_bytes_by_kind",
     "read_status",
 ]
 
@@ -299,3 +301,17 @@ def read_status(data_dir: Path) -> NodeStatus:
     except OSError as exc:
         raise LocalError(f"cannot read {path}: {exc}") from exc
     return decode_status(data, str(path))
+
+
+def mean_bytes_by_kind(statuses: Sequence[NodeStatus], direction: str) -> dict[str, int]:
+    """The nodes' mean bytes ``direction`` ("sent" or "received") by kind (update,
+    aggregate, state, shard, gossip, other: what the node's telemetry counted), each
+    rounded down; kinds nobody moved are left out."""
+    totals: dict[str, int] = {}
+    for status in statuses:
+        counted = (
+            status.bytes_sent_by_kind if direction == "sent" else status.bytes_received_by_kind
+        )
+        for kind, n in counted.items():
+            totals[kind] = totals.get(kind, 0) + n
+    return {kind: n // len(statuses) for kind, n in sorted(totals.items()) if n}
