@@ -41,6 +41,11 @@ def test_the_demo_reports_measured_bytes_and_compute_utilisation(tmp_path: Path)
     assert set(by_kind) == {"aggregate", "gossip"}, by_kind
     assert received <= 1.2 * (by_kind["aggregate"] + by_kind["gossip"])
     assert summary["bytes_per_trainer_sent_by_kind"]["update"] > 2 * weights_bytes // 8
+    windows = summary["windows_certified"]
+    assert summary["update_bytes_per_window"] == (
+        summary["bytes_per_trainer_sent_by_kind"]["update"] // windows
+    )
+    assert 0 < summary["gossip_bytes_per_window"] < sent + received
     assert summary["ddp_bytes_formula"].startswith("ring all-reduce")
     assert 0 < summary["compute_utilisation"] <= 1
     # the loss curve: genesis, then every certified window, later and dearer than the last

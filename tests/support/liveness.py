@@ -111,6 +111,16 @@ def certify(net: Net, names: Sequence[str], windows: int, allowed_s: float, why:
     next height above the highest any of them holds now, to the moment every one adopted
     ``windows`` more. Fail unless they took at most ``allowed_s`` seconds (``why``: the rate
     that limit stands for, named in the failure); return the seconds they took."""
+    took, what = timed_windows(net, names, windows, allowed_s * (windows + 1) / windows, why)
+    net.check(took <= allowed_s, f"{what} within {allowed_s:.1f} s: {why}; they took {took:.1f} s")
+    return took
+
+
+def timed_windows(
+    net: Net, names: Sequence[str], windows: int, wait_s: float, why: str
+) -> tuple[float, str]:
+    """The seconds ``windows`` whole windows took (as :func:`certify` times them), waiting
+    at most ``wait_s`` for them (failing after that), and what was timed, in words."""
     first = max(net.heights.get(n, 0) for n in names) + 1
     target = first + windows
 
@@ -127,17 +137,15 @@ def certify(net: Net, names: Sequence[str], windows: int, allowed_s: float, why:
 
     what = (
         f"{', '.join(names)} to adopt heights {first} to {target} ({windows} windows after "
-        f"the first) within {allowed_s:.1f} s: {why}"
+        "the first)"
     )
     # the wait for height ``first`` is not timed, but it counts against the limit
     net.wait(
-        what,
-        allowed_s * (windows + 1) / windows,
+        f"{what} within {wait_s:.1f} s: {why}",
+        wait_s,
         lambda: all(net.heights.get(n, 0) >= target for n in names),
     )
-    took = adopted_at(target) - adopted_at(first)
-    net.check(took <= allowed_s, f"{what}; they took {took:.1f} s")
-    return took
+    return adopted_at(target) - adopted_at(first), what
 
 
 def accusations(net: Net, accused: str) -> list[str]:

@@ -483,6 +483,8 @@ def _summarise(
     every = {name: read_status(network.workdir / name) for name in network.nodes}
     statuses = [every[name] for name in trainers]
     sent, received = _mean_bytes(statuses)
+    received_by_kind = mean_bytes_by_kind(statuses, "received")
+    sent_by_kind = mean_bytes_by_kind(statuses, "sent")
     parameters = sum(t.numel() for t in weights.values())
     steps = height * manifest.inner_steps
     ddp_each_way = ddp_bytes_per_worker(parameters, steps, len(trainers))
@@ -500,8 +502,14 @@ def _summarise(
         "bytes_per_trainer": sent + received,
         # what the trainers' own counters attribute them to: downloads by kind (aggregates,
         # full states, shards, gossip) and uploads by kind
-        "bytes_per_trainer_received_by_kind": mean_bytes_by_kind(statuses, "received"),
-        "bytes_per_trainer_sent_by_kind": mean_bytes_by_kind(statuses, "sent"),
+        "bytes_per_trainer_received_by_kind": received_by_kind,
+        "bytes_per_trainer_sent_by_kind": sent_by_kind,
+        # the control traffic's cost against the update's own size, a window and a trainer
+        "gossip_bytes_per_window": (
+            received_by_kind.get("gossip", 0) + sent_by_kind.get("gossip", 0)
+        )
+        // max(1, height),
+        "update_bytes_per_window": sent_by_kind.get("update", 0) // max(1, height),
         "bytes_measured": "tcp" if all(s.wire_measured for s in statuses) else "node counters",
         "aggregation_backend": _backends(every),
         "nodes": _node_figures(every),
@@ -671,6 +679,12 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         )
         table.add_row(
             "a trainer's uploads by kind", _by_kind_text(summary["bytes_per_trainer_sent_by_kind"])
+        )
+    if summary.get("gossip_bytes_per_window") is not None:
+        table.add_row(
+            "gossip a window, per trainer",
+            f"{summary['gossip_bytes_per_window'] / 1e3:.1f} kB sent and received "
+            f"(its update: {summary['update_bytes_per_window'] / 1e3:.1f} kB)",
         )
     table.add_row(
         "DDP would send + receive",

@@ -130,6 +130,8 @@ def test_a_trainers_bytes_by_kind_are_the_trainers_means_and_are_printed() -> No
         "bytes_per_trainer_received": 3_500_001,
         "bytes_per_trainer_received_by_kind": received,
         "bytes_per_trainer_sent_by_kind": mean_bytes_by_kind(trainers, "sent"),
+        "gossip_bytes_per_window": 250_000,
+        "update_bytes_per_window": 666_666,
         "ddp_bytes_per_trainer": 50_000_000,
         "bytes_ratio": 10.0,
         "compute_utilisation": None,
@@ -143,3 +145,4 @@ def test_a_trainers_bytes_by_kind_are_the_trainers_means_and_are_printed() -> No
     text = console.export_text()
     assert "3.00 MB aggregate, 0.50 MB state, 0.00 MB gossip" in text
     assert "2.00 MB update, 0.25 MB gossip" in text
+    assert "250.0 kB sent and received (its update: 666.7 kB)" in text
