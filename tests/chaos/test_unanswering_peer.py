@@ -11,7 +11,8 @@ a loopback socket that accepts connections and never sends a byte (not even an H
 line). Once every serving node lists that record, the same stretch must take at most 1/0.8
 of the time it took without it (in the better of two stretches, when the first is slower:
 a loaded machine slows one stretch, a peer that costs every window slows both): a provider
-that does not answer may cost a fetch a short timeout, not the window. At the end every node holds one head with the same weights.
+that does not answer may cost a fetch a short timeout, not the window. At the end every
+node holds one head with the same weights.
 """
 
 from __future__ import annotations
