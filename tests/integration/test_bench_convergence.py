@@ -27,7 +27,7 @@ def _parameters() -> int:
     return sum(w.numel() for w in build_workload(TASK).initial_weights().values())
 
 
-def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:
+def _run(tmp_path: Path, *, netns: bool, until_target: bool = False) -> dict[str, Any]:
     settings = ConvergenceSettings(
         task=TASK,
         link_mbit=100.0,
@@ -38,6 +38,7 @@ def _run(tmp_path: Path, *, netns: bool) -> dict[str, Any]:
         out_dir=tmp_path / "results",
         deadline_s=30.0,
         timeout_s=240.0,
+        until_target=until_target,
     )
     said: list[str] = []
     report = run_convergence(settings, say=said.append)
@@ -77,10 +78,29 @@ def test_loopback_uses_each_systems_own_counters(tmp_path: Path) -> None:
 
 @pytest.mark.netns
 @pytest.mark.skipif((why := namespaces_unavailable(("ip", "tc"))) is not None, reason=f"{why}")
-def test_namespaces_read_bytes_from_the_interfaces(tmp_path: Path) -> None:
-    report = _run(tmp_path, netns=True)
+def test_namespaces_read_bytes_from_the_interfaces_and_run_to_target(tmp_path: Path) -> None:
+    report = _run(tmp_path, netns=True, until_target=True)
     assert report["netns"] is True and report["link_mbit"] == 100.0
     ddp, ours = report["systems"]["ddp"], report["systems"]["p2ptrain"]
+    # DDP ran the reference samples; ours ran to the target or the cap (twice as many)
+    assert ddp["samples"] == report["samples"] and report["cap_samples"] == 2 * report["samples"]
+    assert 0 < ours["samples"] <= report["cap_samples"]
+    assert [p["samples"] for p in ours["curve"]] == sorted(p["samples"] for p in ours["curve"])
+    if ours["seconds_to_target"] is not None:  # figures to the target, not to the end
+        assert ours["samples_to_target"] <= ours["samples"]
+        assert ours["bytes_per_trainer_to_target"] <= ours["bytes_per_trainer"]
+        assert ours["bytes_per_trainer_to_target"] == (
+            ours["bytes_per_trainer_sent_to_target"] + ours["bytes_per_trainer_received_to_target"]
+        )
+        assert report["bytes_to_target_ratio_vs_ddp"] is not None
+    # the compute bound: the same DDP on unshaped loopback reaches its target too
+    bound = report["compute_bound"]
+    assert bound["seconds_to_target"] is not None and bound["samples_to_target"] > 0
+    assert report["time_ratio_vs_compute_bound"] == (
+        None
+        if ours["seconds_to_target"] is None
+        else pytest.approx(bound["seconds_to_target"] / ours["seconds_to_target"], abs=1e-3)
+    )
     assert ddp["bytes_source"] == ours["bytes_source"] == "interfaces"
     # a rank's link carried at least what its all-reduces had to move, each way
     each_way = ddp_bytes_per_worker(_parameters(), TASK.steps, TASK.workers)

@@ -24,20 +24,32 @@ against bytes. CPU seconds are those of the system's processes (``RUSAGE_CHILDRE
 
 Time to a loss: ``seconds_to_target`` is the first model at or below 1.02 x DDP's final
 validation loss (null if never); ``seconds_to_common`` at or below the *common* loss, the
-worst final loss of the systems (which every system reached). Ratios are DDP's (or
-hivemind's) figure over ours: above 1, ours is sooner or smaller.
+worst final loss of the systems (which every system reached). Samples and bytes per trainer
+(sent, received) are given to each loss too. Ratios are DDP's (or hivemind's) figure over
+ours: above 1, ours is sooner or smaller.
+
+Run to target (``until_target``): DDP runs the reference budget first (its final loss sets
+the target); then our network and hivemind train until a model of theirs reaches the target,
+or a cap of ``cap_factor`` times the reference samples: a watcher evaluates their newest
+model while they run (:mod:`.convergence_watch`, at the lowest CPU priority) and stops them
+once one reached it. With shaped links the bench also runs DDP on unshaped loopback, the
+*compute bound*: the time the same samples take on this machine with communication nearly
+free. :func:`run_convergence_links` runs several link rates in one go, the compute bound
+once.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import json
+import math
 import resource
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +58,7 @@ from p2ptrain.bench.convergence_task import (
     LOOPBACK,
     Placement,
     Task,
+    ask_to_stop,
     build_workload,
     load_snapshot,
     read_snapshots,
@@ -55,9 +68,11 @@ from p2ptrain.errors import LocalError
 from p2ptrain.observe.events import mean_utilisation
 
 if TYPE_CHECKING:
-    from p2ptrain.bench.convergence_network import NetworkRun
+    import torch
 
-__all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence"]
+    from p2ptrain.bench.convergence_network import CertifiedHead, NetworkRun
+
+__all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence", "run_convergence_links"]
 
 SYSTEMS = ("ddp", "p2ptrain", "hivemind")
 #: A system reaches the target at this factor of DDP's final validation loss.
@@ -80,6 +95,18 @@ class ConvergenceSettings:
     #: Seconds our network's windows wait for updates (None: sized from a timed step).
     deadline_s: float | None = None
     timeout_s: float = 3600.0
+    #: Our network and hivemind train until they reach the target (or the cap).
+    until_target: bool = False
+    #: The cap of a run to target: this many times the reference samples.
+    cap_factor: float = 2.0
+
+    @property
+    def cap_windows(self) -> int:
+        """The windows (epochs) our network and hivemind may take: the reference run's, or
+        the cap's when running to target."""
+        if not self.until_target:
+            return self.task.windows
+        return max(self.task.windows, math.ceil(self.task.windows * self.cap_factor))
 
 
 @dataclass
@@ -91,6 +118,8 @@ class _System:
     ended: float = 0.0
     #: (time.time(), validation loss) of each evaluated model, genesis first.
     points: list[tuple[float, float]] = field(default_factory=list)
+    #: The samples every worker together had trained on at each point.
+    point_samples: list[int] = field(default_factory=list)
     #: (time.time(), counters per host) sampled while it ran, and the counters before.
     samples: list[tuple[float, Counters]] = field(default_factory=list)
     before: Counters = field(default_factory=dict)
@@ -134,29 +163,52 @@ def _cpu_of_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_convergence(settings: ConvergenceSettings, say: Callable[[str], None]) -> dict[str, Any]:
-    """Run every system of ``settings``; return the report (and write its JSON and PNG)."""
+def run_convergence_links(
+    settings: ConvergenceSettings, links: Sequence[float], say: Callable[[str], None]
+) -> dict[str, Any]:
+    """:func:`run_convergence` at each link rate of ``links`` (the compute bound measured
+    once); one rate gives its report, several a report of their reports."""
+    if len(links) == 1:
+        return run_convergence(dataclasses.replace(settings, link_mbit=links[0]), say)
+    runs: list[dict[str, Any]] = []
+    bound: dict[str, Any] | None = None
+    for link in links:
+        say(f"links at {link} Mbit/s")
+        report = run_convergence(
+            dataclasses.replace(settings, link_mbit=link), say, compute_bound=bound
+        )
+        bound = report.get("compute_bound") or bound
+        runs.append(report)
+    combined = {"link_mbit": list(links), "runs": runs}
+    out = settings.out_dir / f"convergence-links-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    combined["json"] = str(out)
+    out.write_text(json.dumps(combined, indent=1) + "\n")
+    say(f"wrote {out}")
+    return combined
+
+
+def run_convergence(
+    settings: ConvergenceSettings,
+    say: Callable[[str], None],
+    *,
+    compute_bound: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run every system of ``settings``; return the report (and write its JSON and PNG).
+    ``compute_bound``: the compute bound measured by an earlier run (not measured again)."""
     from p2ptrain.bench.convergence_network import network_hosts
 
     task = settings.task
     unknown = set(settings.systems) - set(SYSTEMS)
     if unknown:
         raise LocalError(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
-    notes: dict[str, str] = {}
-    systems = list(settings.systems)
-    python = None
-    if "hivemind" in systems:
-        from p2ptrain.bench.convergence_hivemind import (
-            hivemind_python_candidate,
-            hivemind_unavailable,
+    if settings.until_target and "ddp" not in settings.systems:
+        raise LocalError(
+            "a run to target needs ddp: its final loss at the reference samples is the "
+            "target; add ddp to --systems"
         )
-
-        python = hivemind_python_candidate(settings.hivemind_python)
-        why = hivemind_unavailable(python)
-        if why is not None:
-            notes["hivemind"] = f"hivemind is absent: {why}"
-            systems.remove("hivemind")
-            say(notes["hivemind"])
+    notes: dict[str, str] = {}
+    systems = sorted(settings.systems, key=SYSTEMS.index)  # DDP first: it sets the target
+    python = _hivemind_python(settings, systems, notes, say)
     hosts = {
         "ddp": [f"ddp-{i}" for i in range(task.workers)],
         "p2ptrain": network_hosts(task),
@@ -174,18 +226,71 @@ def run_convergence(settings: ConvergenceSettings, say: Callable[[str], None]) -
             lab = NamespaceLab(every, link_mbit=settings.link_mbit)
             say(f"{len(every)} hosts in network namespaces, links at {settings.link_mbit} Mbit/s")
         placement: Placement = LOOPBACK if lab is None else lab
+        target: float | None = None
         for name in systems:
             say(f"running {name}...")
             results[name] = _run_system(
-                name, settings, placement=placement, lab=lab, hosts=hosts[name], python=python
+                name,
+                settings,
+                placement=placement,
+                lab=lab,
+                hosts=hosts[name],
+                python=python,
+                target=target,
             )
             say(f"{name}: {results[name].ended - results[name].launched:.0f} s")
+            if name == "ddp" and settings.until_target:
+                target = results[name].points[-1][1] * TARGET_FACTOR
+                say(f"target: validation loss {target:.4f} (1.02 x DDP's final)")
+        if settings.until_target and lab is not None and compute_bound is None:
+            say("running ddp on unshaped loopback (the compute bound)...")
+            unshaped = _run_system(
+                "ddp",
+                settings,
+                placement=LOOPBACK,
+                lab=None,
+                hosts=hosts["ddp"],
+                python=None,
+                folder="ddp-unshaped",
+            )
+            compute_bound = _compute_bound(unshaped, target)
     finally:
         if lab is not None:
             lab.close()
     report = _report(settings, results, notes, netns=lab is not None)
+    if compute_bound is not None:
+        report["compute_bound"] = compute_bound
+        report["time_ratio_vs_compute_bound"] = _ratio(
+            compute_bound["seconds_to_target"],
+            report["systems"].get("p2ptrain", {}).get("seconds_to_target"),
+        )
     _write(settings, report, results, say)
     return report
+
+
+def _hivemind_python(
+    settings: ConvergenceSettings,
+    systems: list[str],
+    notes: dict[str, str],
+    say: Callable[[str], None],
+) -> str | None:
+    """The interpreter with hivemind, when hivemind is to run; where it is absent, hivemind
+    leaves ``systems`` and ``notes`` says why."""
+    if "hivemind" not in systems:
+        return None
+    from p2ptrain.bench.convergence_hivemind import (
+        hivemind_python_candidate,
+        hivemind_unavailable,
+    )
+
+    python = hivemind_python_candidate(settings.hivemind_python)
+    why = hivemind_unavailable(python)
+    if why is None:
+        return python
+    notes["hivemind"] = f"hivemind is absent: {why}"
+    systems.remove("hivemind")
+    say(notes["hivemind"])
+    return None
 
 
 def _run_system(
@@ -196,9 +301,15 @@ def _run_system(
     lab: NamespaceLab | None,
     hosts: list[str],
     python: str | None,
+    target: float | None = None,
+    folder: str | None = None,
 ) -> _System:
+    """Run system ``name`` (its files in ``folder``, by default its name, under the
+    workdir); with a ``target`` (a run to target), our network and hivemind train until they
+    reach it or the cap."""
     task = settings.task
-    workdir = settings.workdir / name
+    capped = dataclasses.replace(task, windows=settings.cap_windows, schedule_windows=task.windows)
+    workdir = settings.workdir / (folder or name)
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -215,16 +326,21 @@ def _run_system(
 
             ddp = run_ddp(task, workdir, placement, hosts, timeout_s=settings.timeout_s)
             system.launched, system.ended = ddp.launched, ddp.ended
-            system.points, steps = _evaluate_snapshots(task, ddp.snapshots, ddp.launched)
+            system.points, steps, system.point_samples = _evaluate_snapshots(
+                task, ddp.snapshots, ddp.launched
+            )
         elif name == "hivemind":
             from p2ptrain.bench.convergence_hivemind import run_hivemind
 
             assert python is not None
-            hive = run_hivemind(
-                task, workdir, placement, hosts, python=python, timeout_s=settings.timeout_s
-            )
+            with _watch_snapshots(capped, target, workdir):
+                hive = run_hivemind(
+                    capped, workdir, placement, hosts, python=python, timeout_s=settings.timeout_s
+                )
             system.launched, system.ended = hive.launched, hive.ended
-            system.points, _ = _evaluate_snapshots(task, hive.snapshots, hive.launched)
+            system.points, _, system.point_samples = _evaluate_snapshots(
+                task, hive.snapshots, hive.launched
+            )
             system.extra["epochs"] = max(hive.epochs, default=0)
             system.extra["averaged_epochs"] = hive.averaged_epochs
             system.extra["local_steps"] = sum(hive.steps)
@@ -232,11 +348,20 @@ def _run_system(
             from p2ptrain.bench.convergence_network import run_network
 
             deadline = settings.deadline_s or _deadline_s(task)
-            run = run_network(
-                task, workdir, placement, deadline_s=deadline, timeout_s=settings.timeout_s
-            )
+            heads: list[CertifiedHead] = []
+            stop = threading.Event()
+            with _watch_heads(capped, target, workdir / "seed", heads, stop.set):
+                run = run_network(
+                    capped,
+                    workdir,
+                    placement,
+                    deadline_s=deadline,
+                    timeout_s=settings.timeout_s,
+                    stop=stop.is_set,
+                    certified=heads.append,
+                )
             system.launched, system.ended = run.launched, run.ended
-            system.points = _evaluate_heads(task, run)
+            system.points, system.point_samples = _evaluate_heads(task, run)
             system.extra["compute_utilisation"] = mean_utilisation(run.trained.values())
             system.extra.update(_trainer_bytes_by_kind(workdir, system.trainer_hosts))
     system.cpu_seconds = _cpu_of_children() - cpu
@@ -297,26 +422,90 @@ def _deadline_s(task: Task) -> float:
 
 def _evaluate_snapshots(
     task: Task, directory: Path, launched: float
-) -> tuple[list[tuple[float, float]], list[int]]:
-    """Genesis at launch, then each snapshot the first worker saved; and the step of each."""
+) -> tuple[list[tuple[float, float]], list[int], list[int]]:
+    """Genesis at launch, then each snapshot the first worker saved; the step of each, and
+    the samples every worker together had trained on."""
     workload = build_workload(task, threads=WORKLOAD_THREADS)
     snapshots = read_snapshots(directory)
     if not snapshots:
         raise LocalError(f"the first worker left no weight snapshots in {directory}")
     genesis = (launched, workload.evaluate(workload.initial_weights()))
     points = [genesis, *((s.time, workload.evaluate(load_snapshot(s))) for s in snapshots)]
-    return points, [0, *(s.step for s in snapshots)]
+    return points, [0, *(s.step for s in snapshots)], [0, *(s.samples for s in snapshots)]
 
 
-def _evaluate_heads(task: Task, run: NetworkRun) -> list[tuple[float, float]]:
+def _evaluate_heads(task: Task, run: NetworkRun) -> tuple[list[tuple[float, float]], list[int]]:
+    """Genesis at launch, then each certified head; and the samples of the updates the
+    heads accepted so far (each a trainer's window: ``inner_steps`` batches)."""
     from p2ptrain.node.export import canonical_weights
 
     workload = build_workload(task, threads=WORKLOAD_THREADS)
     points = [(run.launched, workload.evaluate(workload.initial_weights()))]
-    for at, _height, head_id in run.heads:
-        *_, weights = canonical_weights(run.seed_dir, head_id)
-        points.append((at, workload.evaluate(weights)))
-    return points
+    samples = [0]
+    for head in run.heads:
+        *_, weights = canonical_weights(run.seed_dir, head.head_id)
+        points.append((head.at, workload.evaluate(weights)))
+        samples.append(samples[-1] + head.accepted * task.inner_steps * workload.batch_size)
+    return points, samples
+
+
+@contextlib.contextmanager
+def _watch_heads(
+    task: Task,
+    target: float | None,
+    seed_dir: Path,
+    heads: list[CertifiedHead],
+    reached: Callable[[], None],
+) -> Iterator[None]:
+    """While our network runs to ``target``: evaluate its newest certified head."""
+    if target is None:
+        yield
+        return
+    from p2ptrain.bench.convergence_watch import TargetWatch, head_weights
+
+    def newest() -> tuple[str, Callable[[], Mapping[str, torch.Tensor]]] | None:
+        if not heads:
+            return None
+        head = heads[-1]
+        return head.head_id, lambda: head_weights(seed_dir, head.weights_blob)
+
+    with TargetWatch(task, target, newest, reached):
+        yield
+
+
+@contextlib.contextmanager
+def _watch_snapshots(task: Task, target: float | None, workdir: Path) -> Iterator[None]:
+    """While hivemind runs to ``target``: evaluate the first peer's newest snapshot; once
+    one reached it, ask every peer to stop two epochs on (an epoch none has reached, so that
+    they all stop at the same average)."""
+    if target is None:
+        yield
+        return
+    from p2ptrain.bench.convergence_task import rank_directory
+    from p2ptrain.bench.convergence_watch import TargetWatch
+
+    first = rank_directory(workdir, 0)
+
+    def newest() -> tuple[str, Callable[[], Mapping[str, torch.Tensor]]] | None:
+        names = sorted(first.glob("step-*.safetensors"))
+        if not names:
+            return None
+        path = names[-1]
+        return path.name, lambda: _load_file(path)
+
+    def reached() -> None:  # genesis, then one snapshot per epoch
+        epochs = len(list(first.glob("step-*.safetensors"))) - 1
+        ask_to_stop(workdir, epochs + 2)
+
+    with TargetWatch(task, target, newest, reached):
+        yield
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = load_file(str(path))
+    return weights
 
 
 def _ddp_formula_bytes(task: Task, steps: list[int]) -> list[int]:
@@ -337,33 +526,77 @@ def _delta(system: _System, counters: Counters, host: str) -> tuple[int, int]:
     return sent - sent0, received - received0
 
 
-def _trainer_bytes(system: _System, counters: Counters) -> int:
-    """Mean bytes (sent + received) per trainer in ``counters``."""
-    totals = [sum(_delta(system, counters, host)) for host in system.trainer_hosts]
-    return sum(totals) // max(1, len(totals))
+def _bytes_at(system: _System, index: int) -> tuple[int, int] | None:
+    """Mean bytes (sent, received) per trainer by point ``index`` (None: not measured)."""
+    if system.point_bytes is not None:  # DDP's formula: as much sent as received
+        each_way = system.point_bytes[index] // 2
+        return each_way, each_way
+    if not system.samples or system.bytes_source == "none":
+        return None
+    times = [t for t, _ in system.samples]
+    before = bisect.bisect_right(times, system.points[index][0]) - 1
+    if before < 0:
+        return 0, 0
+    counters = system.samples[before][1]
+    ways = [_delta(system, counters, host) for host in system.trainer_hosts]
+    count = max(1, len(ways))
+    return sum(w[0] for w in ways) // count, sum(w[1] for w in ways) // count
 
 
 def _curve(system: _System) -> list[dict[str, float | int | None]]:
-    times = [t for t, _ in system.samples]
     curve: list[dict[str, float | int | None]] = []
     for index, (at, loss) in enumerate(system.points):
-        spent: int | None = None
-        if system.point_bytes is not None:
-            spent = system.point_bytes[index]
-        elif system.samples and system.bytes_source != "none":
-            before = bisect.bisect_right(times, at) - 1
-            spent = 0 if before < 0 else _trainer_bytes(system, system.samples[before][1])
+        ways = _bytes_at(system, index)
         curve.append(
-            {"seconds": round(at - system.launched, 2), "val_loss": round(loss, 4), "bytes": spent}
+            {
+                "seconds": round(at - system.launched, 2),
+                "val_loss": round(loss, 4),
+                "bytes": None if ways is None else sum(ways),
+                "samples": system.point_samples[index] if system.point_samples else None,
+            }
         )
     return curve
 
 
-def _seconds_to(system: _System, loss: float | None) -> float | None:
-    """Seconds from launch until the system's first model at or below ``loss``."""
+def _first_at(system: _System, loss: float | None) -> int | None:
+    """The index of the system's first model at or below ``loss``."""
     if loss is None:
         return None
-    return next((round(t - system.launched, 2) for t, v in system.points if v <= loss), None)
+    return next((i for i, (_, v) in enumerate(system.points) if v <= loss), None)
+
+
+def _seconds_to(system: _System, loss: float | None) -> float | None:
+    """Seconds from launch until the system's first model at or below ``loss``."""
+    index = _first_at(system, loss)
+    return None if index is None else round(system.points[index][0] - system.launched, 2)
+
+
+def _to_loss(system: _System, loss: float | None, suffix: str) -> dict[str, Any]:
+    """Samples, seconds and bytes per trainer until the first model at or below ``loss``
+    (None where it never got there, or nothing measured them)."""
+    index = _first_at(system, loss)
+    ways = None if index is None else _bytes_at(system, index)
+    samples = None
+    if index is not None and system.point_samples:
+        samples = system.point_samples[index]
+    return {
+        f"seconds_to_{suffix}": _seconds_to(system, loss),
+        f"samples_to_{suffix}": samples,
+        f"bytes_per_trainer_to_{suffix}": None if ways is None else sum(ways),
+        f"bytes_per_trainer_sent_to_{suffix}": None if ways is None else ways[0],
+        f"bytes_per_trainer_received_to_{suffix}": None if ways is None else ways[1],
+    }
+
+
+def _compute_bound(system: _System, target: float | None) -> dict[str, Any]:
+    """What DDP on unshaped links took: the same samples with communication nearly free."""
+    return {
+        "system": "ddp on unshaped loopback",
+        "final_val_loss": round(system.points[-1][1], 4),
+        "wall_seconds": round(system.ended - system.launched, 1),
+        "cpu_seconds": round(system.cpu_seconds, 1),
+        **_to_loss(system, target, "target"),
+    }
 
 
 def _figures(
@@ -371,8 +604,9 @@ def _figures(
 ) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "final_val_loss": round(system.points[-1][1], 4),
-        "seconds_to_target": _seconds_to(system, target),
-        "seconds_to_common": _seconds_to(system, common),
+        **_to_loss(system, target, "target"),
+        **_to_loss(system, common, "common"),
+        "samples": system.point_samples[-1] if system.point_samples else None,
         "wall_seconds": round(system.ended - system.launched, 1),
         "cpu_seconds": round(system.cpu_seconds, 1),
         "bytes_source": system.bytes_source,
@@ -441,6 +675,19 @@ def _report(
         ),
         "bytes_all_nodes_ratio_vs_ddp": _ratio(
             theirs.get("bytes_sent_all_nodes"), ours.get("bytes_sent_all_nodes")
+        ),
+        "until_target": settings.until_target,
+        "cap_samples": None
+        if not settings.until_target
+        else task.workers
+        * settings.cap_windows
+        * task.inner_steps
+        * int(task.config.get("batch_size", 0) or 0),
+        "bytes_to_target_ratio_vs_ddp": _ratio(
+            theirs.get("bytes_per_trainer_to_target"), ours.get("bytes_per_trainer_to_target")
+        ),
+        "samples_to_target_ratio_vs_ddp": _ratio(
+            ours.get("samples_to_target"), theirs.get("samples_to_target")
         ),
         "time_ratio_vs_ddp": _ratio(theirs.get("seconds_to_target"), ours.get("seconds_to_target")),
         "time_ratio_vs_hivemind": _ratio(

@@ -20,6 +20,7 @@ connections carried.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from p2ptrain.torch.char_gpt import (
     demo_inner_schedule,
 )
 
-__all__ = ["NETWORK_NODES", "NetworkRun", "network_hosts", "run_network"]
+__all__ = ["NETWORK_NODES", "CertifiedHead", "NetworkRun", "network_hosts", "run_network"]
 
 #: The nodes besides the trainers, as in the demo.
 NETWORK_NODES = ("seed", "reducer", "validator-0", "validator-1", "validator-2")
@@ -47,14 +48,26 @@ def network_hosts(task: Task) -> list[str]:
     return [*(f"trainer-{i}" for i in range(task.workers)), *NETWORK_NODES]
 
 
+@dataclass(frozen=True)
+class CertifiedHead:
+    """A head the seed adopted: when (``time.time()``), its height and id, how many updates
+    it accepted, and the blob of its weights in the seed's store."""
+
+    at: float
+    height: int
+    head_id: str
+    accepted: int
+    weights_blob: str
+
+
 @dataclass
 class NetworkRun:
     """What one run of our network left."""
 
     launched: float
     ended: float = 0.0
-    #: (time.time() when the seed adopted it, height, head id) of every certified head.
-    heads: list[tuple[float, int, str]] = field(default_factory=list)
+    #: Every certified head, as the seed adopted it.
+    heads: list[CertifiedHead] = field(default_factory=list)
     trained: dict[str, list[Trained]] = field(default_factory=dict)
     workdir: Path = Path()
 
@@ -70,9 +83,12 @@ def run_network(
     *,
     deadline_s: float,
     timeout_s: float,
+    stop: Callable[[], bool] = lambda: False,
+    certified: Callable[[CertifiedHead], None] = lambda head: None,
 ) -> NetworkRun:
-    """Run the network until the seed adopted ``task.windows`` heads (or ``timeout_s``
-    passed: LocalError), then stop every node cleanly."""
+    """Run the network until the seed adopted ``task.windows`` heads or ``stop()`` says so
+    (or ``timeout_s`` passed: LocalError), then stop every node cleanly. ``certified`` is
+    told of each head as the seed adopts it."""
     # new interpreters, as DDP's and hivemind's: the bench counts the CPU time of the
     # processes it waited for (not those of a fork server, p2ptrain.node.forked)
     network = LocalNetwork(workdir)
@@ -91,7 +107,7 @@ def run_network(
         outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
         outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
         inner_lr=task.lr,
-        inner_schedule=demo_inner_schedule(task.windows),
+        inner_schedule=demo_inner_schedule(task.schedule_windows or task.windows),
         aggregate_precision=DEMO_AGGREGATE_PRECISION,
         codec=DEMO_CODEC,
         study="bench",
@@ -116,22 +132,38 @@ def run_network(
         for name in trainers:
             start(name, "trainer", [])
         network.wait_ready([n for n in network.nodes if n != "seed"])
-        _follow(network, run, task.windows, timeout_s - (time.time() - run.launched))
+        left_s = timeout_s - (time.time() - run.launched)
+        _follow(network, run, task.windows, left_s, stop=stop, certified=certified)
     finally:
         network.stop()
         run.ended = time.time()
     return run
 
 
-def _follow(network: LocalNetwork, run: NetworkRun, windows: int, timeout_s: float) -> None:
+def _follow(
+    network: LocalNetwork,
+    run: NetworkRun,
+    windows: int,
+    timeout_s: float,
+    *,
+    stop: Callable[[], bool],
+    certified: Callable[[CertifiedHead], None],
+) -> None:
     failures: list[str] = []
 
     def reached() -> int:
-        return max((height for _, height, _ in run.heads), default=0)
+        return max((head.height for head in run.heads), default=0)
 
-    for name, event in network.next_events(timeout_s, until=lambda: reached() >= windows):
+    def done() -> bool:
+        return reached() >= windows or (bool(run.heads) and stop())
+
+    for name, event in network.next_events(timeout_s, until=done):
         if isinstance(event, HeadAdopted) and name == "seed":
-            run.heads.append((time.time(), event.height, event.head_id))
+            head = CertifiedHead(
+                time.time(), event.height, event.head_id, event.accepted, event.weights_blob
+            )
+            run.heads.append(head)
+            certified(head)
         elif isinstance(event, Trained):
             run.trained.setdefault(name, []).append(event)
         elif isinstance(event, RoleFailure):
@@ -141,7 +173,7 @@ def _follow(network: LocalNetwork, run: NetworkRun, windows: int, timeout_s: flo
                 f"{name} exited (code {event.returncode}) before window {windows} was "
                 f"certified; see {network.nodes[name].log}"
             )
-    if reached() < windows:
+    if reached() < windows and not stop():
         said = "; ".join(failures[-3:]) or "no role failed"
         raise LocalError(
             f"our network certified {reached()} of {windows} windows in {timeout_s:.0f} s "

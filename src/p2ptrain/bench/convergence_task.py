@@ -36,17 +36,21 @@ __all__ = [
     "SnapshotWriter",
     "Task",
     "WorkerRun",
+    "ask_to_stop",
     "build_workload",
     "load_snapshot",
     "rank_directory",
     "read_done",
     "read_snapshots",
+    "stop_epoch",
     "worker_batches",
     "worker_weights",
 ]
 
 SNAPSHOT_GLOB = "step-*.safetensors"
 DONE_FILE = "done.json"
+#: Under a run's directory: the epoch at which its workers stop early (a run to target).
+STOP_FILE = "stop-epoch"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class Task:
     seed: int = 0
     #: Our network's window.staleness (DDP and hivemind have no such setting).
     staleness: int = int(DEMO_DEFAULTS["staleness"])
+    #: The windows our network's inner learning rate decays over (0: ``windows``): a run
+    #: to target past the reference budget keeps the reference run's schedule, then its
+    #: floor.
+    schedule_windows: int = 0
 
     @property
     def steps(self) -> int:
@@ -175,8 +183,10 @@ class SnapshotWriter:
 
         taken = time.time()
         path = self.directory / f"step-{step:07d}.safetensors"
+        partial = path.with_name(f"{path.name}.partial")  # a watcher never reads half of it
         metadata = {"time": repr(taken), "step": str(step), "samples": str(samples)}
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(partial), metadata)
+        partial.replace(path)
 
     def finish(self, **figures: float | int) -> None:
         """``done.json``: when the worker started and ended, and what else it measured."""
@@ -204,6 +214,23 @@ def read_snapshots(directory: Path) -> list[Snapshot]:
         except (KeyError, ValueError) as exc:
             raise LocalError(f"the snapshot {path} has no time/step/samples ({exc})") from exc
     return sorted(found)
+
+
+def stop_epoch(out: Path) -> int | None:
+    """The epoch at which the workers under ``out`` are asked to stop (a run to target that
+    reached it), or None."""
+    try:
+        return int((out / STOP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ask_to_stop(out: Path, epoch: int) -> None:
+    """Ask the workers under ``out`` to stop once they reach ``epoch`` (written whole, by a
+    rename, so that no worker reads half of it)."""
+    partial = out / f"{STOP_FILE}.partial"
+    partial.write_text(str(epoch))
+    partial.replace(out / STOP_FILE)
 
 
 def read_done(directory: Path) -> dict[str, Any] | None:

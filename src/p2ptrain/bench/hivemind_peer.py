@@ -29,7 +29,9 @@ What a peer does:
   parameters. That is hivemind's closest mode to DiLoCo (which would apply the averaged
   change through an outer Nesterov step instead of taking the average itself). The settings
   are :data:`OPTIMIZER_SETTINGS`, explained there;
-* stops when its epoch reaches ``task.windows``: right after the swarm's last average, the
+* stops when its epoch reaches ``task.windows``, or the epoch the launcher wrote to
+  ``DIR/stop-epoch`` (a run to target that reached it; the launcher names an epoch no peer
+  has reached, so that they all stop at the same average): right after the swarm's last average, the
   task's samples in all (``task.steps`` local steps for a peer that keeps pace; a faster peer
   takes more, a slower one fewer, as hivemind intends). Stopping after a fixed number of
   local steps instead would leave the last peer to finish alone at the last epoch, waiting
@@ -67,6 +69,7 @@ from p2ptrain.bench.convergence_task import (
     Task,
     build_workload,
     rank_directory,
+    stop_epoch,
     worker_batches,
     worker_weights,
 )
@@ -331,7 +334,8 @@ def _train(
         )
         if rank == 0:
             writer.save(step, epoch * target, weights)
-        if epoch >= task.windows:
+        asked = stop_epoch(directory.parent)  # a run to target that reached it
+        if epoch >= task.windows or (asked is not None and epoch >= asked):
             break
     if rank == 0 and at_epoch != step:
         # Out of batches before the swarm's last epoch: the model as it is, its samples

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -297,7 +298,25 @@ def _add_convergence(sub: Any) -> None:
         "everything runs on loopback and says so. Writes JSON and a PNG under --out-dir.",
     )
     convergence.add_argument(
-        "--link-mbit", type=float, default=50.0, help="each link's rate (default 50)"
+        "--link-mbit",
+        default="50",
+        help="each link's rate in Mbit/s; several, comma-separated (e.g. 10,50), run the "
+        "systems at each rate in turn (default 50)",
+    )
+    convergence.add_argument(
+        "--until-target",
+        action="store_true",
+        help="DDP runs the reference samples (--windows x --inner-steps), and its final loss "
+        "x 1.02 is the target; our network and hivemind then train until they reach it or "
+        "the cap (--cap-factor), and, on shaped links, DDP runs again on unshaped loopback "
+        "(the compute bound)",
+    )
+    convergence.add_argument(
+        "--cap-factor",
+        type=float,
+        default=2.0,
+        help="with --until-target: the most samples a system may take, as a multiple of "
+        "the reference samples (default 2)",
     )
     convergence.add_argument(
         "--trainers",
@@ -347,15 +366,16 @@ def _add_convergence(sub: Any) -> None:
 def run_convergence_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence
+    from p2ptrain.bench.convergence import ConvergenceSettings, run_convergence_links
     from p2ptrain.bench.convergence_task import Task
     from p2ptrain.core.manifests import MAX_STALENESS
     from p2ptrain.errors import LocalError
 
-    if args.trainers < 2 or args.windows < 1 or args.inner_steps < 1 or args.link_mbit <= 0:
-        raise LocalError(
-            "--trainers >= 2, --windows >= 1, --inner-steps >= 1 and --link-mbit > 0, please"
-        )
+    links = _link_rates(args.link_mbit)
+    if args.trainers < 2 or args.windows < 1 or args.inner_steps < 1:
+        raise LocalError("--trainers >= 2, --windows >= 1 and --inner-steps >= 1, please")
+    if not 1.0 <= args.cap_factor <= 20.0:
+        raise LocalError(f"--cap-factor must be 1 to 20, got {args.cap_factor}")
     if not 0 <= args.staleness <= MAX_STALENESS:
         raise LocalError(f"--staleness must be 0 to {MAX_STALENESS}, got {args.staleness}")
     settings = ConvergenceSettings(
@@ -365,24 +385,48 @@ def run_convergence_bench(args: argparse.Namespace) -> int:
             inner_steps=args.inner_steps,
             staleness=args.staleness,
         ),
-        link_mbit=args.link_mbit,
+        link_mbit=links[0],
         netns=not args.no_netns,
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
         hivemind_python=args.hivemind_python,
         workdir=Path(args.workdir).resolve(),
         out_dir=Path(args.out_dir),
+        until_target=args.until_target,
+        cap_factor=args.cap_factor,
     )
-    report = run_convergence(settings, say=lambda line: print(line, file=sys.stderr))
-    for name, figures in report["systems"].items():
-        print(
-            f"{name}: final val loss {figures['final_val_loss']}, to target "
-            f"{figures['seconds_to_target']} s, bytes per trainer "
-            f"{figures['bytes_per_trainer']} ({figures['bytes_source']})",
-            file=sys.stderr,
-        )
-    print(f"results: {report['json']} and {report['png']}", file=sys.stderr)
+    report = run_convergence_links(settings, links, say=lambda line: print(line, file=sys.stderr))
+    for run in report.get("runs", [report]):
+        where = f"{run['link_mbit']} Mbit/s" if run["netns"] else "loopback"
+        for name, figures in run["systems"].items():
+            print(
+                f"{where}, {name}: final val loss {figures['final_val_loss']}; to target "
+                f"{figures['seconds_to_target']} s, {figures['samples_to_target']} samples, "
+                f"{figures['bytes_per_trainer_to_target']} bytes per trainer "
+                f"({figures['bytes_source']})",
+                file=sys.stderr,
+            )
+        print(f"results: {run['json']} and {run['png']}", file=sys.stderr)
     _emit(report, args.json)
     return 0
+
+
+def _link_rates(text: str) -> list[float]:
+    """``--link-mbit``: one rate or several, comma-separated, each above 0."""
+    from p2ptrain.errors import LocalError
+
+    rates: list[float] = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = 0.0
+        if not 0 < rate < math.inf:
+            raise LocalError(
+                f"--link-mbit {text!r}: {part.strip()!r} is not a rate above 0 Mbit/s; give "
+                "one or several, comma-separated, e.g. 10,50"
+            )
+        rates.append(rate)
+    return rates
 
 
 def run_byzantine(args: argparse.Namespace) -> int:

@@ -385,8 +385,11 @@ KEYS: dict[str, KeyDoc] = {
         "The Nesterov momentum; 0 for `sgd`.", values="0 to 0.999", bounds=(0.0, 0.999)
     ),
     "window.deadline_s": KeyDoc(
-        "Seconds a window waits for trainers' updates after it opens; it closes earlier "
-        "once `max_updates` updates arrived.",
+        "Seconds a window waits for trainers' updates after its first update arrived (a "
+        "slow start or download costs nobody a window); it closes earlier once "
+        "`max_updates` updates arrived, and a window that holds no update this long after "
+        "it opened asks its peers what they hold. Leave room for a slow trainer's whole "
+        "window: an instant update starts the clock.",
         values="0.01 to 86,400",
         bounds=(0.01, 86400.0),
     ),

@@ -377,7 +377,8 @@ class OuterOptimizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
 
 class WindowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How long a window waits for updates and how many it takes; ``proposal_s`` is each
+    """How long a window waits for updates and how many it takes: the deadline is
+    ``deadline_s`` after the window's first update; ``proposal_s`` is each
     proposer's slot after the deadline (the ranked reducers, then the ranked validators
     falling back, see ``protocol.proposers``)."""
 

@@ -201,6 +201,7 @@ class ChainKeeper:
                 reason=window.reason,
                 seconds=window.seconds,
                 update=outcome,
+                weights_blob=head.weights_blob,
             )
         )
         for old in [w for w in self.published if w < head.height]:

@@ -322,16 +322,17 @@ class LocalNetwork:
             raise LocalError(f"nodes {sorted(waiting)} not ready after {timeout_s:.0f} s")
 
     def next_events(self, timeout_s: float, until: Any = None) -> Iterator[tuple[str, NodeEvent]]:
-        """Events as they come, until ``until()`` is true or ``timeout_s`` passes."""
+        """Events as they come, until ``until()`` is true (asked at each event, and at least
+        every second) or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while until is None or not until():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                yield self.events.get(timeout=left)
+                yield self.events.get(timeout=min(left, 1.0))
             except queue.Empty:
-                return
+                continue
 
     # -- the end --------------------------------------------------------------------------
 

@@ -70,6 +70,9 @@ class HeadAdopted(_Event, tag="adopted", frozen=True):
     #: What became of this node's own update for the window (a trainer's): "accepted",
     #: "rejected: <why>", "left out: <why>"; empty when the node sent none.
     update: str = ""
+    #: The blob id (SHA-256) of the head's weights, in the node's blob store (what a
+    #: watcher reads to evaluate the head while the node runs).
+    weights_blob: str = ""
 
 
 class ShardsFetched(_Event, tag="shards_fetched", frozen=True):

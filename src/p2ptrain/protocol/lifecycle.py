@@ -9,9 +9,12 @@ the table changes nothing (a proposal that arrives for an attested window, an up
 reducer proposed: held, and answered to peers who ask, but they change nothing here).
 
 The window's close is defined here once: it is full (``FULL``), every expected trainer
-reported (``REPORTED``) or the deadline passed (``DEADLINE``); a window whose deadline passed
-holding nothing expires (``EXPIRY``), and its first update gives everyone a full deadline
-again (``EXPIRED`` + ``UPDATE``: ``RESTART``). After the close the proposers' slots open
+reported (``REPORTED``) or the deadline passed (``DEADLINE``). The deadline runs from the
+window's first update (``FIRST_UPDATE``: ``START``), not from when the window opened here: a
+slow start, a slow download or a late joiner costs the trainers nothing, since nobody's
+clock runs before the first trainer is done. A window that holds nothing ``deadline_s`` after
+it opened expires (``EXPIRY``: it asks its peers what they hold), and its first update starts
+the deadline the same way. After the close the proposers' slots open
 one after the other (:mod:`.proposers`), and each tick walks them (``WALK``): for each
 proposer whose slot opened, in slot order, the participant classifies what it holds
 (``OWN_SLOT``, ``ABSENT``, ``AWAITING``, ``WRONG``, ``VALID``) and takes that event's row;
@@ -57,6 +60,7 @@ class Phase(StrEnum):
 
 
 class Event(StrEnum):
+    FIRST_UPDATE = "first_update"
     UPDATE = "update"
     FULL = "full"
     REPORTED = "reported"
@@ -82,7 +86,7 @@ class Effect(StrEnum):
     JOIN = "join"
     JOIN_UNPROPOSED = "join_unproposed"
     CLOSE = "close"
-    RESTART = "restart"
+    START = "start"
     WALK = "walk"
     SYNC = "sync"
     RESEND = "resend"
@@ -95,8 +99,9 @@ class Effect(StrEnum):
 
 #: What each phase means.
 PHASES: dict[Phase, str] = {
-    Phase.OPEN: "collecting the window's updates, until the deadline or an early close",
-    Phase.EXPIRED: "the deadline passed holding no update and no proposal",
+    Phase.OPEN: "collecting the window's updates, until the deadline (`deadline_s` after the "
+    "first update) or an early close",
+    Phase.EXPIRED: "`deadline_s` passed since the window opened, holding no update and no proposal",
     Phase.CLOSED: "closed: the proposers' slots open one after the other, proposals are judged "
     "in slot order and ours is made in our slot",
     Phase.PROPOSED: "a reducer proposed its head: it waits for the certificate (and still "
@@ -108,12 +113,13 @@ PHASES: dict[Phase, str] = {
 
 #: What each event is.
 EVENTS: dict[Event, str] = {
-    Event.UPDATE: "an update of the window arrived (its envelope verified, built on an allowed "
-    "base)",
+    Event.FIRST_UPDATE: "the window's first update arrived (it held no update and no proposal)",
+    Event.UPDATE: "another update of the window arrived (its envelope verified, built on an "
+    "allowed base)",
     Event.FULL: "the window holds `max_updates` updates, or a proposal names that many",
     Event.REPORTED: "it holds `min_updates` and every expected trainer reported",
     Event.DEADLINE: "the deadline passed holding an update or a proposal",
-    Event.EXPIRY: "the deadline passed holding nothing",
+    Event.EXPIRY: "`deadline_s` since the window opened passed holding nothing",
     Event.PROPOSAL: "a proposal for the window arrived from one of its proposers",
     Event.TICK: "the clock ticked: at a slot boundary, when an expected trainer lapsed, or "
     "after an input",
@@ -136,7 +142,7 @@ EFFECTS: dict[Effect, str] = {
     Effect.JOIN: "the update joins the cohort (it counts as before the deadline)",
     Effect.JOIN_UNPROPOSED: "the update joins the cohort while no proposal is held",
     Effect.CLOSE: "the deadline is now: slot 0 opens",
-    Effect.RESTART: "a full new deadline from now (the slots start over)",
+    Effect.START: "the deadline is `deadline_s` from now (the slots, if any opened, start over)",
     Effect.WALK: "walk the proposers whose slot opened, in slot order (once per input)",
     Effect.SYNC: "ask peers what the window holds (`SyncWindow`)",
     Effect.RESEND: "send our votes of the round again",
@@ -162,13 +168,14 @@ _P, _E, _X = Phase, Event, Effect
 
 #: The rows both roles take.
 _SHARED: dict[tuple[Phase, Event], Transition] = {
+    (_P.OPEN, _E.FIRST_UPDATE): _to(_P.OPEN, _X.START, _X.JOIN),
     (_P.OPEN, _E.UPDATE): _to(_P.OPEN, _X.JOIN),
     (_P.OPEN, _E.FULL): _to(_P.CLOSED, _X.CLOSE, _X.WALK),
     (_P.OPEN, _E.REPORTED): _to(_P.CLOSED, _X.CLOSE, _X.WALK),
     (_P.OPEN, _E.DEADLINE): _to(_P.CLOSED),
     (_P.OPEN, _E.EXPIRY): _to(_P.EXPIRED),
     (_P.OPEN, _E.PROPOSAL): _to(_P.OPEN),
-    (_P.EXPIRED, _E.UPDATE): _to(_P.OPEN, _X.RESTART, _X.JOIN),
+    (_P.EXPIRED, _E.FIRST_UPDATE): _to(_P.OPEN, _X.START, _X.JOIN),
     (_P.EXPIRED, _E.PROPOSAL): _to(_P.CLOSED, _X.WALK),
     (_P.EXPIRED, _E.SYNC_DUE): _to(_P.EXPIRED, _X.SYNC),
     (_P.CLOSED, _E.UPDATE): _to(_P.CLOSED, _X.JOIN_UNPROPOSED),

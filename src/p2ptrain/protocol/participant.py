@@ -265,13 +265,14 @@ class Participant(ChainRole):
                     w.deadline_at = now
                     why = "full" if event is Event.FULL else "every expected trainer reported"
                     self.last_reason = f"window {height} {why}: closed early"
-            elif effect is Effect.RESTART:
-                # the first update of a window whose deadline passed empty (what was sent was
-                # lost, or the window opened here long before elsewhere): the others get a
-                # full deadline too, or each proposer would propose the little that reached it
+            elif effect is Effect.START:
+                # the deadline runs from the first update: the others get as long as it took
+                # nobody to start, download or join (and a window that expired empty -- what
+                # was sent was lost, or it opened here long before elsewhere -- gives them a
+                # full deadline too, or each proposer would propose the little that reached it)
                 w.deadline_at = now + self.manifest.window.deadline_s
                 w.slot = -1
-                self.last_reason = f"window {height}: first update after the deadline"
+                self.last_reason = f"window {height}: first update; the deadline runs from now"
             elif effect is Effect.SYNC:
                 actions.append(SyncWindow(height, self._missing_proposals(now)))
             elif effect is Effect.RESEND:
@@ -401,7 +402,7 @@ class Participant(ChainRole):
         if not w.arrival:
             return (
                 f"window {height}: no update arrived by the deadline; waiting for a first "
-                f"one (it gives everyone a new deadline)"
+                f"one (the deadline runs from it)"
             )
         if self.last_reason.startswith("no proposal"):
             return f"window {height}: {self.last_reason}"
@@ -445,12 +446,14 @@ class Participant(ChainRole):
         update_id = signed.record_id
         self.heard_from(signed.record.trainer, now)
         self._deadline(now)
+        first = not w.arrival and not w.proposals
         w.updates[update_id] = Submission(signed.record, update_id, blob)
         w.arrival.append(update_id)
         # after the deadline an update still joins the cohort while nobody has proposed (a
         # window that had too few updates in time is not stuck for good)
         actions: list[Action] = []
-        walk = Effect.WALK in self._fire(now, Event.UPDATE, actions)
+        event = Event.FIRST_UPDATE if first else Event.UPDATE
+        walk = Effect.WALK in self._fire(now, event, actions)
         if len(w.arrival) >= self.manifest.window.max_updates:
             walk |= Effect.WALK in self._fire(now, Event.FULL, actions)
         elif self._all_reported(now):

@@ -9,8 +9,9 @@ With a staleness allowance (``window.staleness``) it does not wait for the windo
 published to be certified: it trains the next one on the head it holds.
 
 An update can be lost on its way (the only peer it went to crashed, a partition): a trainer
-whose update no proposal has named by the end of the window's first proposer slot (its
-deadline plus ``proposal_s``, from when the trainer opened the window) sends it once more.
+whose update no proposal has named by the end of the window's first proposer slot (the
+deadline runs from the window's first update, so at the latest ``deadline_s`` plus
+``proposal_s`` after its own was sent) sends it once more.
 """
 
 from __future__ import annotations
@@ -177,9 +178,10 @@ class TrainerMachine(ChainRole):
         self.last_reason = f"published the update of window {window}"
         signed = seal(self.identity, update)
         timing = self.manifest.window
-        first_slot_end = self._opened_at + timing.deadline_s + timing.proposal_s
         sent_at = self._opened_at if now is None else now
-        self._sent[window] = _Sent(signed, blob, max(first_slot_end, sent_at + timing.proposal_s))
+        # a participant's deadline runs from the window's first update, at the latest ours
+        first_slot_end = sent_at + timing.deadline_s + timing.proposal_s
+        self._sent[window] = _Sent(signed, blob, first_slot_end)
         return [SendUpdate(signed, blob), *self._next(sent_at)]
 
     def saw_proposal(self, signed: Signed[Proposal]) -> None:

@@ -164,10 +164,10 @@ def test_a_full_window_closes_before_its_deadline(max_updates: int) -> None:
         assert isinstance(send, act.SendUpdate)
         actions = participant.receive_update(1.0 + n, send.update, send.blob)
     proposed = [a for a in actions if isinstance(a, act.SendProposal)]
-    if max_updates == 2:  # full: proposed and certified at t=2, not at t=100
+    if max_updates == 2:  # full: proposed and certified at t=2, not at t=101
         assert proposed and participant.chain.height == 1  # a new window is open
-    else:
-        assert not proposed and participant.next_wakeup(2.0) == pytest.approx(100.0)
+    else:  # the deadline: 100 s after the first update
+        assert not proposed and participant.next_wakeup(2.0) == pytest.approx(101.0)
 
 
 def test_a_window_whose_training_never_ended_is_reported_once(tmp_path: Path) -> None:

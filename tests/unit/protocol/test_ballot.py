@@ -80,10 +80,10 @@ def _split() -> tuple[Participant, Participant, list[act.Action], list[act.Actio
     """FIRST holds three updates, SECOND two; FIRST's proposal is lost on its way, so SECOND
     proposes (and prevotes) its own in slot 1: round 0 is split."""
     first, second = _validator(FIRST), _validator(SECOND)
-    for n, (signed, blob) in enumerate(UPDATES):
-        first.receive_update(1.0, signed, blob)
+    for n, (signed, blob) in enumerate(UPDATES):  # at 0.0: the deadlines run to DEADLINE_S
+        first.receive_update(0.0, signed, blob)
         if n < 2:
-            second.receive_update(1.0, signed, blob)
+            second.receive_update(0.0, signed, blob)
     slot_0, slot_1 = DEADLINE_S + 0.5, DEADLINE_S + SLOT_S + 0.5
     from_first = first.tick(slot_0)  # full at three: closed on arrival, proposes in slot 0
     assert second.tick(slot_0) == []  # waits for FIRST's slot to pass
@@ -224,7 +224,7 @@ def test_an_unlocked_validator_prevotes_the_latest_polka_over_the_earliest_propo
     for n, (signed, blob) in enumerate(updates):
         for who, machine in machines.items():
             if n < 2 or who is not b:  # b holds two updates, a and v three
-                machine.receive_update(1.0, signed, blob)
+                machine.receive_update(0.0, signed, blob)
     slot = [DEADLINE_S + i * SLOT_S + 0.5 for i in range(12)]
     (p_a,) = [x for x in machines[a].tick(slot[0]) if isinstance(x, act.SendProposal)]
     machines[b].tick(slot[0])

@@ -69,7 +69,8 @@ def test_a_window_closes_once_the_silent_trainer_is_no_longer_expected() -> None
     assert not _proposed(_deliver(machine, 0, 1.0) + _deliver(machine, 1, 2.0))
     silent = TRAINERS[2].peer_id[:12]
     line = machine.waiting_for(2.0)
-    assert line.startswith("window 1: 2 of 3 expected updates (min 2), deadline in 98 s")
+    # the deadline runs from the first update (at 1.0)
+    assert line.startswith("window 1: 2 of 3 expected updates (min 2), deadline in 99 s")
     assert line.endswith(f"waiting for trainers {silent}")
     # it wakes when the silent trainer's presence lapses, long before the deadline
     wakeup = machine.next_wakeup(2.0)
@@ -83,10 +84,10 @@ def test_a_live_trainer_keeps_the_window_open_until_its_deadline() -> None:
     machine = _validator()
     _deliver(machine, 0, 1.0)
     _deliver(machine, 1, 2.0)
-    for now in (4.0, 8.0, 12.0, 50.0, 99.0):
+    for now in (4.0, 8.0, 12.0, 50.0, 99.0, 100.0):
         machine.heard_from(TRAINERS[2].public_key, now)  # alive, but slow
         assert not _proposed(machine.tick(now + 0.5)), now
-    assert _proposed(machine.tick(100.0))
+    assert _proposed(machine.tick(101.0))  # the deadline: 100 s after the first update
 
 
 def test_the_last_expected_update_closes_the_window_at_once() -> None:
@@ -127,8 +128,8 @@ def test_no_early_close_below_min_updates_or_without_presence() -> None:
     _deliver(blind, 0, 1.0)
     _deliver(blind, 1, 2.0)
     assert not _proposed(blind.tick(50.0))
-    assert blind.waiting_for(50.0) == "window 1: 2 updates (min 2, max 3), deadline in 50 s"
-    assert _proposed(blind.tick(100.0))
+    assert blind.waiting_for(50.0) == "window 1: 2 updates (min 2, max 3), deadline in 51 s"
+    assert _proposed(blind.tick(101.0))
 
 
 def test_after_the_deadline_it_names_the_proposal_it_waits_for() -> None:
@@ -136,8 +137,8 @@ def test_after_the_deadline_it_names_the_proposal_it_waits_for() -> None:
     machine = _validator(reducers=(reducer.public_key,))
     _deliver(machine, 0, 1.0)
     _deliver(machine, 1, 2.0)
-    assert not _proposed(machine.tick(100.0))
-    assert machine.waiting_for(100.5) == (
+    assert not _proposed(machine.tick(101.0))
+    assert machine.waiting_for(101.5) == (
         f"window 1: waiting for a proposal from {reducer.peer_id[:12]}"
     )
     empty = _validator(reducers=(reducer.public_key,))

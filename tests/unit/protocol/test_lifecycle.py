@@ -100,8 +100,11 @@ def test_the_roles_differ_only_in_what_follows_a_judgement_their_own_proposal_an
     for role in Role:
         for event in (Event.FULL, Event.REPORTED, Event.DEADLINE):
             assert transition(role, Phase.OPEN, event).phase is Phase.CLOSED
-        restart = transition(role, Phase.EXPIRED, Event.UPDATE)
-        assert (restart.phase, restart.effects) == (Phase.OPEN, (Effect.RESTART, Effect.JOIN))
+        # the deadline runs from the first update, in a window that expired empty too
+        for phase in (Phase.OPEN, Phase.EXPIRED):
+            start = transition(role, phase, Event.FIRST_UPDATE)
+            assert (start.phase, start.effects) == (Phase.OPEN, (Effect.START, Effect.JOIN))
+        assert transition(role, Phase.OPEN, Event.UPDATE).effects == (Effect.JOIN,)
 
 
 def _assigned_in(attribute: str) -> set[str]:
@@ -128,7 +131,7 @@ def test_only_the_table_changes_a_windows_phase_and_deadline() -> None:
     assert "is_validator" not in inspect.getsource(participant_module)
 
 
-def test_an_expired_window_restarts_on_its_first_update_and_closes_full() -> None:
+def test_an_expired_window_starts_its_deadline_at_its_first_update_and_closes_full() -> None:
     machine = Participant(MANIFEST, VALIDATOR, GENESIS, validator=True, reducers=(), now=0.0)
     assert machine.phase is Phase.OPEN
     assert machine.tick(DEADLINE_S + 1.0) == []
@@ -141,7 +144,7 @@ def test_an_expired_window_restarts_on_its_first_update_and_closes_full() -> Non
     late = DEADLINE_S + 2 * SLOT_S
     signed, blob = UPDATES[0]
     assert machine.receive_update(late, signed, blob) == []
-    assert machine.phase is Phase.OPEN  # a full deadline again, from now
+    assert machine.phase is Phase.OPEN  # the deadline runs from the first update
     assert machine.next_wakeup(late) == late + DEADLINE_S
     assert machine.tick(late + DEADLINE_S - 1.0) == [] and machine.phase is Phase.OPEN
 
@@ -153,6 +156,20 @@ def test_an_expired_window_restarts_on_its_first_update_and_closes_full() -> Non
     assert machine.window == 2 and machine.phase is Phase.OPEN
 
 
+def test_the_deadline_runs_from_the_first_update_not_from_the_open() -> None:
+    machine = Participant(MANIFEST, VALIDATOR, GENESIS, validator=True, reducers=(), now=0.0)
+    assert machine.next_wakeup(0.0) == DEADLINE_S  # empty: it expires then
+    first = DEADLINE_S - 1.0  # the trainers were slow to start: the first update comes late
+    signed, blob = UPDATES[0]
+    assert machine.receive_update(first, signed, blob) == []
+    assert machine.phase is Phase.OPEN and machine.next_wakeup(first) == first + DEADLINE_S
+    assert machine.tick(DEADLINE_S + 1.0) == [] and machine.phase is Phase.OPEN
+    assert machine.waiting_for(first).endswith(f"deadline in {DEADLINE_S:.0f} s")
+    signed, blob = UPDATES[1]  # a second trainer, later than the old deadline: it still joins
+    said = machine.receive_update(DEADLINE_S + 2.0, signed, blob)
+    assert _of(said, act.SendProposal) and machine.window == 2  # full, closed at once
+
+
 def test_a_reducer_proposes_once_and_stops_syncing_a_validator_judges_and_attests() -> None:
     reducers = (REDUCER.public_key,)
     reducer = Participant(MANIFEST, REDUCER, GENESIS, validator=False, reducers=reducers)
@@ -160,8 +177,8 @@ def test_a_reducer_proposes_once_and_stops_syncing_a_validator_judges_and_attest
     order = proposer_order(MANIFEST, reducer.experiment_id, 1, reducers)
     assert order == (REDUCER.public_key, VALIDATOR.public_key)
     for machine in (reducer, validator):
-        for n, (signed, blob) in enumerate(UPDATES[:1]):
-            assert machine.receive_update(1.0 + n, signed, blob) == []
+        for n, (signed, blob) in enumerate(UPDATES[:1]):  # the deadline runs from 0.0
+            assert machine.receive_update(0.0 + n, signed, blob) == []
     closed = DEADLINE_S + 0.5
     (proposal,) = _of(reducer.tick(closed), act.SendProposal)
     assert reducer.phase is Phase.PROPOSED

@@ -248,7 +248,7 @@ def test_an_update_no_proposal_named_is_sent_again_once_after_the_first_slot() -
     _, publish = policy.trained(1.0, train, blob, before, after)
     assert isinstance(publish, Publish) and not publish.again
     timing = MANIFEST.window
-    due = timing.deadline_s + timing.proposal_s  # the window opened at 0.0
+    due = 1.0 + timing.deadline_s + timing.proposal_s  # sent at 1.0: the deadline after it
     assert policy.machine.next_wakeup(2.0) == due
     assert policy.tick(due - 0.01) == []
     again = policy.tick(due)
@@ -267,7 +267,7 @@ def test_an_update_a_proposal_named_is_not_sent_again() -> None:
     assert isinstance(publish, Publish) and isinstance(publish.record, Signed)
     validator = _validator()
     validator.fetched(2.0, BlobFetch(publish.record, ()), blob)
-    effects = validator.tick(MANIFEST.window.deadline_s)  # the deadline: it proposes
+    effects = validator.tick(2.0 + MANIFEST.window.deadline_s)  # the deadline: it proposes
     (proposal,) = [e for e in effects if isinstance(e, Publish) and e.kind == "proposal"]
     assert isinstance(proposal.record, Signed)
     assert policy.record(3.0, proposal.record, 0) == []
