@@ -17,7 +17,12 @@ trainer than a ring all-reduce of fp32 gradients. The DiLoCo paper's outer setti
 momentum 0.9, tuned for hundreds of windows) did worse over 16 windows than lr 1.0 with
 momentum 0.5 (ratio 1.053 against 1.041 on a 110k-parameter model); a higher or lower inner
 lr (2e-3, 5e-3) did too. The demo runs 24 windows, where the gap is smaller still (1.896
-against 1.853, ratio 1.024, 287x fewer bytes).
+against 1.853, ratio 1.024, 287x fewer bytes). With the cosine inner schedule and int4
+codes that DDP replays on the same samples too, 24 windows end at 1.887 against 1.807 (ratio
+1.045): the schedule helped DDP more. Outer lr 0.7 to 1.3, momentum 0.5 to 0.9, inner lr 2e-3
+to 5e-3, the mean instead of the trimmed mean, int8 rounding or staleness do not close that
+gap; halving H closes a fifth of it for twice the bytes (docs/benchmarks.md), so the demo
+keeps these settings.
 
 Larger models need more windows to come as close: with 16 windows, 416k parameters (2 x 128)
 measured a ratio of 1.061 (1.043 at 24 windows) and 808k (4 x 128, context 32) 1.14, also
