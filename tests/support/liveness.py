@@ -178,19 +178,20 @@ def metrics(net: Net, name: str) -> dict[str, float]:
 
 
 def end_on_one_head(net: Net, timeout_s: float) -> int:
-    """Stop the trainers; wait until every other running node adopted the last window any
-    trainer published an update for (no window after it can fill); start the trainers that
+    """Stop the trainers; wait until every other running node adopted the last window the
+    trainers published enough updates for (no window after it can fill); start the trainers that
     had not adopted it again, to catch up and stop there by themselves; stop the others and
     check that every node's stored tip is one head, with the same weights. Return its
     height."""
     trainers = [n for n in net.names("trainer") if n not in net.exited]
     net.stop(trainers)
     others = [n for n in net.roles if n not in net.exited]
-    published = max((int(e["window"]) for e in net.events("published")), default=0)
-    height = max(published, *(net.heights.get(n, 0) for n in others))
+    # a trainer stopped while training leaves its window one update short of the quorum
+    filled = [w for w, names in net.publishers().items() if len(names) >= net.min_updates]
+    height = max(max(filled, default=0), *(net.heights.get(n, 0) for n in others))
     net.wait(
         f"{', '.join(others)} to adopt height {height}, the last window the stopped "
-        "trainers published updates for",
+        f"trainers published the {net.min_updates} update(s) it needs for",
         timeout_s,
         lambda: all(net.heights.get(n, 0) >= height for n in others),
     )

@@ -143,6 +143,8 @@ class Net:
         self._listeners: list[Callable[[str, Event], None]] = []
         self._started_at = time.monotonic()
         self.windows: int | None = None
+        #: How many updates a window of the running experiment needs (set by :meth:`launch`).
+        self.min_updates = 1
         #: Arguments every node started from now on gets (``launch(extra_args=...)``).
         self.extra_args: tuple[str, ...] = ()
         #: Nodes stopped with SIGSTOP (:meth:`pause`) and not continued yet.
@@ -193,6 +195,7 @@ class Net:
         self.start("seed", "seed", args=["--experiment-toml", str(path), "--archive"])
         self.wait_ready(["seed"])
         self.windows = windows
+        self.min_updates = min_updates
         # Everyone else at once, so that the trainers publish before window 1's deadline.
         for name in reducer_names:
             self.start(name, "reducer")
@@ -326,6 +329,14 @@ class Net:
         return data
 
     # -- events ---------------------------------------------------------------------------
+
+    def publishers(self) -> dict[int, set[str]]:
+        """Which nodes published an update for each window, so far."""
+        by_window: dict[int, set[str]] = {}
+        for _, name, event in self.history:
+            if event["event"] == "published":
+                by_window.setdefault(int(event["window"]), set()).add(name)
+        return by_window
 
     def events(self, kind: str, name: str | None = None) -> list[Event]:
         """Every event of ``kind`` seen so far (from ``name`` only, if given)."""
