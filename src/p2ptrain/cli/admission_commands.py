@@ -287,6 +287,7 @@ async def _deliver(
 ) -> str:
     """Hand ``revocation`` to the node at ``address`` through a courier key the issuer
     certifies for a few minutes; return that node's peer id."""
+    import asyncio
     import tempfile
 
     from p2ptrain.core.identity import Identity
@@ -313,19 +314,30 @@ async def _deliver(
             admission=admission,
         )
         async with net:
+            # Held before we connect: a node sends the revocations it holds on every new
+            # connection, first thing (a message published once the connection is open
+            # would go only to a peer that has already said it takes the topic).
+            net.publish_revocation(revocation)
             try:
                 peer = await net.connect(address)
             except (TransportError, Refused) as exc:
                 raise LocalError(f"cannot hand the revocation to {address}: {exc}") from exc
-            net.publish_revocation(revocation)
-            connection = net.gossip.connections.get(peer)
             started = time.monotonic()
-            if connection is not None:
-                try:
-                    await connection.drained(10.0)
-                except TimeoutError:
-                    raise LocalError(
-                        f"{address} did not take the revocation within "
-                        f"{time.monotonic() - started:.0f} s; try another --bootstrap"
-                    ) from None
+            try:
+                async with asyncio.timeout(10.0):
+                    await net.wait_connected()  # the connection is being served
+                    connection = net.gossip.connections.get(peer)
+                    if connection is None:
+                        raise LocalError(f"{address} closed the connection at once; try again")
+                    # Its first frame says which topics it takes: it is reading ours now.
+                    # Closing before that can reset the socket with our frames still unread
+                    # in its buffer, and the revocation is lost.
+                    while not connection.topics and not connection.closed:
+                        await asyncio.sleep(0.01)
+                await connection.drained(10.0)
+            except TimeoutError:
+                raise LocalError(
+                    f"{address} did not take the revocation within "
+                    f"{time.monotonic() - started:.0f} s; try another --bootstrap"
+                ) from None
     return peer
