@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.aggregate.codecs import WindowEncoders, codec_at
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.identity import Identity
 from p2ptrain.core.manifests import (
@@ -51,7 +51,7 @@ from p2ptrain.core.records import Update
 from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.protocol.chain import genesis_head
-from p2ptrain.protocol.leases import LeaseBook
+from p2ptrain.protocol.leases import Lease, LeaseBook
 from p2ptrain.protocol.reduction import BaseState, Submission, reduce_window
 from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
 from p2ptrain.torch.char_gpt import (
@@ -61,7 +61,7 @@ from p2ptrain.torch.char_gpt import (
     DEMO_DEFAULTS,
     char_gpt_workload,
 )
-from p2ptrain.torch.workload import TorchWorkload
+from p2ptrain.torch.workload import TorchWorkload, WindowResult
 
 
 def _identity(label: str) -> Identity:
@@ -83,10 +83,17 @@ class Figures:
     ddp_train_s: float
     s_per_inner_step: float
     update_bytes: int
+    #: what a follower downloads: every window's aggregate blob
+    aggregate_bytes: int
     ddp_bytes: int
     bytes_ratio: float
     parameters: int
     val_per_window: list[float]
+    #: a trainer's bytes through each window: its updates sent plus the aggregates applied
+    bytes_through_window: list[int]
+    #: the first window whose head reached --target (0: none did), and the bytes through it
+    target_window: int = 0
+    bytes_to_target: int = 0
 
 
 def _manifest(
@@ -106,11 +113,13 @@ def _manifest(
             name="adamw",
             lr=float(config["lr"]),
             schedule="constant" if args.min_lr_ratio is None else "cosine",
-            decay_windows=args.windows,
+            decay_windows=args.decay_windows or args.windows,
             min_lr_ratio=1.0 if args.min_lr_ratio is None else args.min_lr_ratio,
         ),
         inner_steps=args.inner_steps,
-        outer_optimizer=OuterOptimizerSpec(lr=args.outer_lr, momentum=args.outer_momentum),
+        outer_optimizer=OuterOptimizerSpec(
+            name=args.outer_optimizer, lr=args.outer_lr, momentum=args.outer_momentum
+        ),
         window=WindowSpec(
             min_updates=1, max_updates=max(8, args.trainers), staleness=args.staleness
         ),
@@ -123,6 +132,13 @@ def _manifest(
     )
 
 
+def _genesis_base(
+    manifest: ExperimentManifest, leases: LeaseBook, genesis: dict[str, torch.Tensor]
+) -> BaseState:
+    head = genesis_head(manifest, leases.experiment_id)
+    return BaseState(head=head, head_id=head.id, weights=genesis)
+
+
 def _start_weights(
     built_on: BaseState, base: BaseState, pending: dict[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
@@ -131,6 +147,42 @@ def _start_weights(
     if built_on is base or pending is None:
         return dict(built_on.weights)
     return {name: value - pending[name] for name, value in built_on.weights.items()}
+
+
+def _submission(
+    manifest: ExperimentManifest,
+    leases: LeaseBook,
+    *,
+    window: int,
+    built_on: BaseState,
+    who: Identity,
+    lease: Lease,
+    blob: bytes,
+    result: WindowResult,
+) -> Submission:
+    """A trainer's update of ``window``, trained from ``built_on``, as it publishes it
+    (unsigned: the reduction does not check signatures)."""
+    update = Update(
+        experiment_id=leases.experiment_id,
+        window=window,
+        base_head=built_on.head_id,
+        trainer=who.public_key,
+        lease_shards=lease.shards,
+        lease_samples=lease.samples,
+        delta_blob=sha256_hex(blob),
+        delta_bytes=len(blob),
+        codec=codec_at(manifest.codec, window).name,
+        loss_before=result.loss_before,
+        loss_after=result.loss_after,
+    )
+    return Submission(update=update, update_id=update.id, blob=blob)
+
+
+def _to_target(values: list[float], through: list[int], target: float) -> tuple[int, int]:
+    """The first window whose loss is at most ``target`` and the bytes through it (0, 0:
+    none is)."""
+    reached = [w for w, value in enumerate(values, start=1) if value <= target]
+    return (reached[0], through[reached[0] - 1]) if reached else (0, 0)
 
 
 def _replay_ddp(
@@ -153,22 +205,27 @@ def _replay_ddp(
     return loss, time.perf_counter() - started
 
 
-def simulate(args: argparse.Namespace) -> Figures:
+def _model_config(args: argparse.Namespace) -> dict[str, str | int | float | bool]:
+    """The demo's char-GPT config with the command line's changes."""
     config = dict(DEFAULT_CONFIG)
     for key in ("lr", "batch_size", "n_layer", "n_embd", "n_head", "block_size", "seed"):
         value = getattr(args, key)
         if value is not None:
             config[key] = value
+    return config
+
+
+def simulate(args: argparse.Namespace) -> Figures:
+    config = _model_config(args)
     trainers = [char_gpt_workload(config) for _ in range(args.trainers)]
     genesis = trainers[0].initial_weights()
     manifest = _manifest(trainers[0], config, args, genesis)
     leases = LeaseBook(manifest)
     identities = [_identity(f"trainer-{t}") for t in range(args.trainers)]
     encoders = [
-        make_encoder(manifest.codec, schema_of(genesis), seed=t) for t in range(args.trainers)
+        WindowEncoders(manifest.codec, schema_of(genesis), seed=t) for t in range(args.trainers)
     ]
-    head = genesis_head(manifest, leases.experiment_id)
-    base = BaseState(head=head, head_id=head.id, weights=genesis)
+    base = _genesis_base(manifest, leases, genesis)
     genesis_val = trainers[0].evaluate(genesis)
     #: the heads before ``base`` (newest last) and each trainer's own deltas not yet in one
     older: list[BaseState] = []
@@ -176,7 +233,8 @@ def simulate(args: argparse.Namespace) -> Figures:
     windows: list[list[list[int]]] = []
     val_per_window: list[float] = []
     train_s = 0.0
-    update_bytes = 0
+    update_bytes = aggregate_bytes = 0
+    through: list[int] = []
     for w in range(args.windows):
         cohort: list[Submission] = []
         window_indices: list[list[int]] = []
@@ -197,27 +255,28 @@ def simulate(args: argparse.Namespace) -> Figures:
             train_s += time.perf_counter() - started
             delta = {name: start[name] - result.weights[name] for name in genesis}
             own[t] = delta
-            blob = encoders[t].encode(delta)
+            blob = encoders[t].at(base.window).encode(delta)
             update_bytes += len(blob)
-            update = Update(
-                experiment_id=leases.experiment_id,
-                window=base.window,
-                base_head=built_on.head_id,
-                trainer=who.public_key,
-                lease_shards=lease.shards,
-                lease_samples=lease.samples,
-                delta_blob=sha256_hex(blob),
-                delta_bytes=len(blob),
-                codec=manifest.codec.name,
-                loss_before=result.loss_before,
-                loss_after=result.loss_after,
+            cohort.append(
+                _submission(
+                    manifest,
+                    leases,
+                    window=base.window,
+                    built_on=built_on,
+                    who=who,
+                    lease=lease,
+                    blob=blob,
+                    result=result,
+                )
             )
-            cohort.append(Submission(update=update, update_id=update.id, blob=blob))
         windows.append(window_indices)
         bases = {base.head_id, built_on.head_id}
         reduction = reduce_window(manifest, base, cohort, leases, bases)
         if reduction.head is None or reduction.weights is None or reduction.head_id is None:
             raise SystemExit(f"window {base.window} produced no head: {reduction.reason}")
+        if reduction.aggregate_blob is not None:
+            aggregate_bytes += len(reduction.aggregate_blob)
+        through.append(update_bytes // args.trainers + aggregate_bytes)
         older = [base][: args.staleness]
         base = BaseState(
             head=reduction.head,
@@ -236,7 +295,11 @@ def simulate(args: argparse.Namespace) -> Figures:
     ddp_val, ddp_s = _replay_ddp(args, trainers[0], manifest, windows)
     parameters = sum(t.numel() for t in genesis.values())
     ddp_bytes = ddp_bytes_per_worker(parameters, args.windows * args.inner_steps, args.trainers)
+    target_window, bytes_to_target = _to_target(val_per_window, through, args.target)
     return Figures(
+        target_window=target_window,
+        bytes_to_target=bytes_to_target,
+        bytes_through_window=through,
         diloco_val=diloco_val,
         ddp_val=ddp_val,
         ratio=diloco_val / ddp_val,
@@ -245,6 +308,7 @@ def simulate(args: argparse.Namespace) -> Figures:
         ddp_train_s=ddp_s,
         s_per_inner_step=train_s / (args.trainers * args.windows * args.inner_steps),
         update_bytes=update_bytes // args.trainers,
+        aggregate_bytes=aggregate_bytes,
         ddp_bytes=ddp_bytes,
         bytes_ratio=ddp_bytes * args.trainers / update_bytes,
         parameters=parameters,
@@ -261,6 +325,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--outer-momentum", type=float, default=float(DEMO_DEFAULTS["outer_momentum"])
     )
+    parser.add_argument("--outer-optimizer", default="nesterov", choices=("nesterov", "sgd"))
     parser.add_argument("--lr", type=float, default=None, help="inner AdamW learning rate")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--n-layer", type=int, default=None)
@@ -286,10 +351,24 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         const=None,
         help="keep the inner lr constant",
     )
+    parser.add_argument(
+        "--decay-windows",
+        type=int,
+        default=0,
+        help="the cosine's length in windows (default --windows); past it the inner lr "
+        "stays at its floor, as a run to a target goes on past the reference run",
+    )
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP replay")
     parser.add_argument("--rule", default="trimmed_mean")
     parser.add_argument(
         "--aggregate-precision", default=DEMO_AGGREGATE_PRECISION, choices=AGGREGATE_PRECISIONS
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=0.0,
+        help="report the first window whose validation loss is at most this, and a "
+        "trainer's bytes (updates sent, aggregates applied) through it",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -312,9 +391,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"  compute: diloco {figures.diloco_train_s:.1f}s (all trainers)  ddp "
         f"{figures.ddp_train_s:.1f}s  {figures.s_per_inner_step * 1000:.1f} ms/inner step  "
         f"total {total:.1f}s\n"
-        f"  bytes per trainer: {args.codec} updates {figures.update_bytes:,}  ddp "
+        f"  bytes per trainer: {args.codec} updates {figures.update_bytes:,}  aggregates "
+        f"{figures.aggregate_bytes:,}  ddp "
         f"{figures.ddp_bytes:,}  ratio {figures.bytes_ratio:.0f}x\n"
-        f"  val per window: {' '.join(f'{v:.3f}' for v in figures.val_per_window)}",
+        f"  val per window: {' '.join(f'{v:.3f}' for v in figures.val_per_window)}"
+        + (
+            f"\n  target {args.target}: reached at window {figures.target_window}, "
+            f"{figures.bytes_to_target:,} bytes per trainer"
+            if args.target
+            else ""
+        ),
         flush=True,
     )
     if args.json:

@@ -75,6 +75,20 @@ def _digits_learns(scenario: Scenario, report: Report) -> None:
 CASES: list[Any] = [
     *(pytest.param(_base(seed), 3, _all_accepted, id=f"honest-seed{seed}") for seed in (1, 2, 3)),
     pytest.param(_base(5, reducers=2), 3, _all_accepted, id="two-reducers"),
+    pytest.param(
+        _base(
+            41,
+            windows=5,
+            codec="sparseloco",
+            codec_config=(("dense_windows", 2), ("fraction", 0.05)),
+            rule="contributor_mean",
+            precision="bf16",
+            outer="sgd",
+        ),
+        5,
+        _all_accepted,
+        id="sparseloco-dense-warm-up-bf16-aggregates",
+    ),
     pytest.param(_base(6, reducers=0), 3, _all_accepted, id="no-reducers-validators-fall-back"),
     pytest.param(_base(7, adversaries=("silent_reducer",)), 3, _all_accepted, id="silent-reducer"),
     pytest.param(

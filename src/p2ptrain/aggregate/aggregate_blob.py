@@ -8,18 +8,24 @@ and checks the result against the head's weights and optimizer hashes (DESIGN §
 sparse when that is smaller:
 
 ``__aggregate__``   uint8: ``p2ptrain-aggregate/1`` (the format tag).
-``<name>/dense``    float32, the tensor's shape: every value, or
+``<name>/dense``    float32 (bfloat16, see below), the tensor's shape: every value, or
 ``<name>/counts``   int32, ``(ceil(numel / 65536),)``: how many stored values fall in each
                     chunk of 65,536 flattened positions;
 ``<name>/offsets``  int16, ``(nnz,)``: each stored value's position within its chunk, minus
                     32,768 (so 0..65,535 fits), strictly increasing within a chunk;
-``<name>/values``   float32, ``(nnz,)``: the stored values.
+``<name>/values``   float32 (bfloat16), ``(nnz,)``: the stored values.
 
 A value is stored unless its bits are those of ``+0.0`` (``-0.0`` is stored: the outer step
-must see the same bits). The sparse form is used exactly when ``6 * nnz + 4 * chunks <
-4 * numel``. Encoding is a pure function of the tensors' bits, so every reducer and validator
-that computed the same aggregate writes the same bytes and the same hash; decoding checks
-everything and gives the tensors back bit for bit.
+must see the same bits). The sparse form is used exactly when ``(2 + b) * nnz + 4 * chunks
+< b * numel``, ``b`` the bytes of a stored value (4, or 2 for bfloat16). Encoding is a pure
+function of the tensors' bits, so every reducer and validator that computed the same
+aggregate writes the same bytes and the same hash; decoding checks everything and gives the
+tensors back bit for bit.
+
+With ``aggregation.precision`` ``bf16``, the aggregate is rounded to bfloat16 before the outer
+step (IEEE round to nearest even, the same bits everywhere) and stored in the form above with
+bfloat16 values: a sparse aggregate (a sparse codec's, averaged over its contributors) costs 4
+bytes a sent coordinate, and a dense one half its float32 bytes.
 
 With ``aggregation.precision`` ``int8``, ``int4`` or ``int2`` in the manifest, the aggregate
 is rounded before the outer step: each tensor is cut into blocks of :data:`QUANT_BLOCK`
@@ -87,30 +93,36 @@ def _chunks(numel: int) -> int:
     return math.ceil(numel / _CHUNK)
 
 
-def _sparse_is_smaller(nnz: int, numel: int) -> bool:
-    return 6 * nnz + 4 * _chunks(numel) < 4 * numel
+def _sparse_is_smaller(nnz: int, numel: int, itemsize: int = 4) -> bool:
+    return (2 + itemsize) * nnz + 4 * _chunks(numel) < itemsize * numel
+
+
+#: The integer view of a stored dtype, whose zero is exactly the value's ``+0.0``.
+_BITS: Final = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+#: The dtype an unrounded (``fp32``) or ``bf16`` aggregate stores its values in.
+_STORED: Final = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def encode_aggregate(
     tensors: Mapping[str, torch.Tensor], spool: BlobSpool | None = None
 ) -> bytearray | SpooledBlob:
-    """The canonical bytes of an aggregate (float32 CPU tensors, any names), in memory or
-    written into a sink of ``spool``. A sparse tensor is encoded :data:`_SLAB` values at
-    a time, so its positions never take more than a slab's worth of memory."""
+    """The canonical bytes of an aggregate (float32 or bfloat16 CPU tensors, any names), in
+    memory or written into a sink of ``spool``. A sparse tensor is encoded :data:`_SLAB`
+    values at a time, so its positions never take more than a slab's worth of memory."""
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
         _TAG: (torch.uint8, (len(_TAG_BYTES),))
     }
     stored: dict[str, int] = {}  # each sparse tensor's count of stored values
     for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1)
-        nnz = int(torch.count_nonzero(flat.view(torch.int32)))
-        if not _sparse_is_smaller(nnz, flat.numel()):
-            layout[f"{name}/dense"] = (torch.float32, tuple(tensor.shape))
+        nnz = int(torch.count_nonzero(flat.view(_BITS[flat.dtype])))
+        if not _sparse_is_smaller(nnz, flat.numel(), flat.element_size()):
+            layout[f"{name}/dense"] = (flat.dtype, tuple(tensor.shape))
             continue
         stored[name] = nnz
         layout[f"{name}/counts"] = (torch.int32, (_chunks(flat.numel()),))
         layout[f"{name}/offsets"] = (torch.int16, (nnz,))
-        layout[f"{name}/values"] = (torch.float32, (nnz,))
+        layout[f"{name}/values"] = (flat.dtype, (nnz,))
     writer = PartWriter(layout, MemorySpool() if spool is None else spool)
     writer.write(_TAG, 0, torch.tensor(list(_TAG_BYTES), dtype=torch.uint8))
     for name, tensor in tensors.items():
@@ -121,7 +133,7 @@ def encode_aggregate(
         written = 0
         for first in range(0, flat.numel(), _SLAB):
             slab = flat[first : first + _SLAB]
-            positions = slab.view(torch.int32).ne(0).nonzero().reshape(-1)
+            positions = slab.view(_BITS[slab.dtype]).ne(0).nonzero().reshape(-1)
             counts = torch.bincount(positions // _CHUNK, minlength=_chunks(slab.numel()))
             writer.write(f"{name}/counts", first // _CHUNK, counts.to(torch.int32))
             offsets = (positions % _CHUNK - _OFFSET_BIAS).to(torch.int16)
@@ -159,6 +171,10 @@ def settle_aggregate(
     a rounding overwrites ``tensors`` (the caller's own) instead of taking new memory."""
     if precision == "fp32" and spool is not None:
         return dict(tensors), encode_aggregate(tensors, spool)
+    if precision == "bf16":
+        halves = {name: tensor.detach().to(torch.bfloat16) for name, tensor in tensors.items()}
+        widened = {name: half.to(torch.float32) for name, half in halves.items()}
+        return widened, encode_aggregate(halves, spool)
     if precision == "fp32":
         blob = encode_aggregate(tensors)
         assert isinstance(blob, bytearray)
@@ -222,7 +238,7 @@ def decode_aggregate(
     out: dict[str, torch.Tensor] = {}
     for spec in schema:
         if quantiser is None:
-            out[spec.name] = _decode_one(spec, parts)
+            out[spec.name] = _decode_one(spec, parts, _STORED[precision])
         else:
             out[spec.name] = _decode_rounded(quantiser, spec, parts)
     if parts:
@@ -230,18 +246,22 @@ def decode_aggregate(
     return out
 
 
-def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    name, numel = spec.name, math.prod(spec.shape)
+def _decode_one(
+    spec: TensorSpec, parts: dict[str, torch.Tensor], stored: torch.dtype
+) -> torch.Tensor:
+    """One tensor stored dense or sparse with ``stored`` values, as float32."""
+    name, numel, itemsize, bits = spec.name, math.prod(spec.shape), stored.itemsize, _BITS[stored]
     dense = parts.pop(f"{name}/dense", None)
     sparse = [parts.pop(f"{name}/{part}", None) for part in ("counts", "offsets", "values")]
     if dense is not None:
         if any(part is not None for part in sparse):
             raise ProtocolViolation(f"aggregate {name!r} is both dense and sparse")
-        if dense.dtype != torch.float32 or tuple(dense.shape) != spec.shape:
-            raise ProtocolViolation(f"aggregate {name!r} is not float32 {spec.shape}")
-        if _sparse_is_smaller(int(dense.reshape(-1).view(torch.int32).ne(0).sum()), numel):
+        if dense.dtype != stored or tuple(dense.shape) != spec.shape:
+            raise ProtocolViolation(f"aggregate {name!r} is not {stored} {spec.shape}")
+        nnz = int(dense.reshape(-1).view(bits).ne(0).sum())
+        if _sparse_is_smaller(nnz, numel, itemsize):
             raise ProtocolViolation(f"aggregate {name!r} is dense where sparse is canonical")
-        return dense
+        return dense.to(torch.float32)
     counts, offsets, values = sparse
     if counts is None or offsets is None or values is None:
         raise ProtocolViolation(f"aggregate lacks parameter {name!r}")
@@ -250,12 +270,12 @@ def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tenso
         counts.dtype != torch.int32
         or tuple(counts.shape) != (chunks,)
         or offsets.dtype != torch.int16
-        or values.dtype != torch.float32
+        or values.dtype != stored
         or tuple(offsets.shape) != (nnz,)
         or tuple(values.shape) != (nnz,)
     ):
         raise ProtocolViolation(f"aggregate {name!r}: parts have the wrong dtypes or shapes")
-    if not _sparse_is_smaller(nnz, numel):
+    if not _sparse_is_smaller(nnz, numel, itemsize):
         raise ProtocolViolation(f"aggregate {name!r} is sparse where dense is canonical")
     if bool(counts.lt(0).any()) or int(counts.sum()) != nnz:
         raise ProtocolViolation(f"aggregate {name!r}: chunk counts do not add up to its values")
@@ -263,10 +283,10 @@ def _decode_one(spec: TensorSpec, parts: dict[str, torch.Tensor]) -> torch.Tenso
     positions = chunk_of * _CHUNK + offsets.long() + _OFFSET_BIAS
     if nnz and (int(positions[-1]) >= numel or not bool(positions[1:].gt(positions[:-1]).all())):
         raise ProtocolViolation(f"aggregate {name!r}: positions out of order or out of range")
-    if bool(values.view(torch.int32).eq(0).any()):
+    if bool(values.view(bits).eq(0).any()):
         raise ProtocolViolation(f"aggregate {name!r} stores a +0.0 it must leave out")
     flat = torch.zeros(numel, dtype=torch.float32)
-    flat.index_copy_(0, positions, values)
+    flat.index_copy_(0, positions, values.to(torch.float32))
     return flat.reshape(spec.shape)
 
 

@@ -5,7 +5,8 @@ Build one with :func:`p2ptrain.aggregate.codecs.make_encoder`; the wire format i
 in :mod:`p2ptrain.aggregate.codecs`.
 
 Error feedback (``topk``, ``sparseloco``, ``lowrank``): the encoder compresses
-``acc = delta + residual`` and keeps ``residual = acc - decoded``, where ``decoded`` is exactly
+``acc = delta + decay * residual`` (``decay`` is ``sparseloco``'s ``error_decay``, 1 for the
+others) and keeps ``residual = acc - decoded``, where ``decoded`` is exactly
 what every decoder will get from the blob. What is not sent in one round is sent in a later
 one; for ``topk`` the identity ``decoded + residual == acc`` holds bit for bit.
 
@@ -77,8 +78,9 @@ class UpdateEncoder:
     ``header`` is the canonical codec header tensor of ``codec`` over ``schema`` (sorted by
     name) and ``header_name`` its name in the container; ``seed`` fixes the codec's
     randomness; ``decode`` is the peers' decoder of this codec and schema (raising
-    :class:`ProtocolViolation`). Use :func:`p2ptrain.aggregate.codecs.make_encoder` rather
-    than this.
+    :class:`ProtocolViolation`); ``error_decay`` scales the residual before it is added to
+    the next delta (``sparseloco``'s setting; 1 keeps it whole). Use
+    :func:`p2ptrain.aggregate.codecs.make_encoder` rather than this.
     """
 
     def __init__(
@@ -90,8 +92,10 @@ class UpdateEncoder:
         header: bytes,
         seed: int,
         decode: Callable[[bytes], dict[str, torch.Tensor]],
+        error_decay: float = 1.0,
     ) -> None:
         self._codec = codec
+        self._decay = error_decay
         self._decode = decode
         self._schema = schema
         self._header_name = header_name
@@ -120,7 +124,8 @@ class UpdateEncoder:
         for spec in self._schema:
             value = values[spec.name]
             if self._codec.error_feedback and spec.name in self._residuals:
-                value = value + self._residuals[spec.name]
+                held = self._residuals[spec.name]
+                value = value + (held if self._decay == 1.0 else held * self._decay)
             parts = self._encoders[spec.name](value)
             if self._codec.error_feedback:
                 residuals[spec.name] = value - self._codec.decode(spec, parts)

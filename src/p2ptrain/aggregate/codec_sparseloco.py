@@ -1,21 +1,42 @@
-"""The ``sparseloco`` update codec: top-k positions with 2- or 4-bit values, SparseLoCo-style.
+"""The ``sparseloco`` update codec: chunked top-k positions with 2- or 4-bit values,
+SparseLoCo-style.
 
-Per parameter of ``n`` elements the encoder keeps the ``k = max(1, ceil(fraction * n))``
-largest magnitudes of ``delta + residual`` (``k = 0`` for an empty tensor; the same ``k`` as
-``topk``), quantises them to ``bits`` bits against one float32 scale, and keeps what it did
-not send as an error-feedback residual (:class:`p2ptrain.aggregate.codecs.UpdateEncoder`), so
-what is not sent now is sent later. The parts cost 18 bits per kept value at 2 bits (22 at 4)
-and 8 bytes per 65536 elements or fewer: at fraction 0.02 about 1.13% of the float32 bytes
-of a large tensor. The container adds some 80 bytes of framing per part (four per
-parameter), which outweighs the values of small tensors.
+The flattened (row-major) tensor is cut into selection chunks of ``chunk`` elements (4096 by
+default, the last one possibly shorter; ``chunk = 0`` takes the whole tensor as one chunk),
+and in each chunk of ``m`` elements the encoder keeps the ``max(1, ceil(fraction * m))``
+(at most ``m``) largest magnitudes of ``delta + error_decay * residual``: top-k inside fixed
+chunks, as SparseLoCo does, so every region of a tensor sends its share every round rather
+than a few large rows taking the whole budget. ``k``, the tensor's kept values, is the sum
+over its chunks (``0`` for an empty tensor). The kept values are quantised to ``bits`` bits
+against one float32 scale, and what was not sent stays in the trainer's error-feedback
+residual (:class:`p2ptrain.aggregate.codecs.UpdateEncoder`), decayed by ``error_decay`` each
+round. Tensors with fewer than two dimensions (norms, biases) are sent dense with the
+``int8`` codec (``dense_vectors = 1``, the default): they are small, and sparsifying them
+measured worse. The parts cost 18 bits per kept value at 2 bits (22 at 4) and 4 bytes per
+65536 elements or fewer: at fraction 0.02 about 1.13% of the float32 bytes of a large
+tensor. The container adds some 80 bytes of framing per part (four per parameter).
+
+``dense_windows`` (default 0) is the dense warm-up: updates of windows ``1 ..
+dense_windows`` are encoded with the dense ``int4`` codec instead (:func:`codec_at` gives
+the codec of a window), so the first rounds, where the pseudo-gradients are largest and
+least alike, are not cut to a few percent. The encoder and every decoder pick the codec from
+the window, so the warm-up is part of the experiment, not of a trainer's choice.
+
+The outer step this codec is meant for is plain SGD at learning rate 1
+(``outer_optimizer = {name = "sgd", lr = 1.0, momentum = 0.0}``): the error-feedback
+residual carries what outer momentum would, and momentum on top of it double counts. The
+aggregation rule meant for it is ``contributor_mean``, which averages each coordinate over
+the updates that sent it.
 
 Parts
 -----
-The flattened (row-major) tensor is cut into chunks of :data:`CHUNK_SIZE` (65536) elements,
-the last one possibly shorter; ``chunks = ceil(n / 65536)``.
+For a tensor sent sparse, the flattened tensor is also cut into chunks of :data:`CHUNK_SIZE`
+(65536) elements for the positions, the last one possibly shorter; ``chunks = ceil(n /
+65536)``. (A tensor sent dense has the ``int8`` parts ``q`` and ``scale`` instead.)
 
 ``counts``   shape ``(chunks,)``, int32: how many kept positions fall in each chunk; each in
-             ``[0, chunk length]``, summing to ``k``.
+             ``[0, chunk length]``, summing to ``k``, and each selection chunk holding
+             exactly its share.
 ``offsets``  shape ``(k,)``, int16: each kept position's place within its chunk, minus 32768
              (so ``[0, 65535]`` fits and the order is kept), chunk after chunk, strictly
              increasing within a chunk and below the chunk's length.
@@ -36,12 +57,13 @@ per tensor measured as good as one per 64 kept values at 2 bits.
 
 Encoding
 --------
-Positions: ``torch.topk`` of the magnitudes, then sorted (ties are broken the same way on one
-machine). Scale: the least-squares fit of the levels to the kept magnitudes, by
-:data:`FIT_ROUNDS` alternations of "nearest level for this scale" and "best scale for these
-levels" (in float64, starting from the largest magnitude over the top level), then the nearest
-level for the scale as float32. A zero scale sends zeros. Each step can only lower the squared
-error below that of sending nothing, so with error feedback the residual stays bounded.
+Positions: ``torch.topk`` of the magnitudes within each selection chunk, then sorted (ties
+are broken the same way on one machine). Scale: the least-squares fit of the levels to the
+kept magnitudes, by :data:`FIT_ROUNDS` alternations of "nearest level for this scale" and
+"best scale for these levels" (in float64, starting from the largest magnitude over the top
+level), then the nearest level for the scale as float32. A zero scale sends zeros. Each step
+can only lower the squared error below that of sending nothing, so with error feedback the
+residual stays bounded.
 """
 
 from __future__ import annotations
@@ -53,11 +75,11 @@ from typing import Final
 
 import torch
 
-from p2ptrain.aggregate.codec_dense import pack_codes, unpack_codes
+from p2ptrain.aggregate.codec_dense import Int8Codec, pack_codes, unpack_codes
 from p2ptrain.core.tensors import TensorSpec
 from p2ptrain.errors import LocalError, ProtocolViolation
 
-__all__ = ["BITS", "CHUNK_SIZE", "FIT_ROUNDS", "SparseLoCoCodec"]
+__all__ = ["BITS", "CHUNK_SIZE", "DENSE", "FIT_ROUNDS", "SELECTION_CHUNK", "SparseLoCoCodec"]
 
 CHUNK_SIZE: Final = 1 << 16
 """Elements per chunk: a position within a chunk fits 16 bits."""
@@ -68,6 +90,12 @@ BITS: Final = (2, 4)
 FIT_ROUNDS: Final = 4
 """Alternations of the encoder's least-squares scale fit."""
 
+SELECTION_CHUNK: Final = 4096
+"""The default elements per top-k selection chunk (SparseLoCo's 64 x 64)."""
+
+DENSE: Final = Int8Codec()
+"""How tensors with fewer than two dimensions are sent (``dense_vectors = 1``)."""
+
 _OFFSET_BIAS: Final = 1 << 15
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -75,31 +103,72 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 @dataclass(frozen=True, slots=True)
 class SparseLoCoCodec:
-    """Top-k sparsification of ``fraction`` of each tensor, ``bits``-bit values, one scale,
-    error feedback."""
+    """Top-k sparsification of ``fraction`` of each ``chunk`` of a tensor, ``bits``-bit
+    values, one scale, error feedback decayed by ``error_decay``; vectors dense
+    (``dense_vectors``); the first ``dense_windows`` windows dense ``int4``."""
 
     name = "sparseloco"
     error_feedback = True
 
     fraction: float = 0.02
     bits: int = 2
+    chunk: int = SELECTION_CHUNK
+    dense_vectors: int = 1
+    error_decay: float = 0.95
+    dense_windows: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
             raise LocalError(f"codec.config.fraction must be in (0, 1], got {self.fraction}")
         if self.bits not in BITS:
             raise LocalError(f"codec.config.bits must be 2 or 4, got {self.bits}")
+        if not 0 <= self.chunk <= CHUNK_SIZE or (self.chunk and CHUNK_SIZE % self.chunk):
+            raise LocalError(
+                f"codec.config.chunk must be 0 (the whole tensor) or a power of two up to "
+                f"{CHUNK_SIZE}, got {self.chunk}"
+            )
+        if self.dense_vectors not in (0, 1):
+            raise LocalError(f"codec.config.dense_vectors must be 0 or 1, got {self.dense_vectors}")
+        if not 0.0 < self.error_decay <= 1.0:
+            raise LocalError(f"codec.config.error_decay must be in (0, 1], got {self.error_decay}")
+        if not 0 <= self.dense_windows <= 1_000_000:
+            raise LocalError(
+                f"codec.config.dense_windows must be in [0, 1000000], got {self.dense_windows}"
+            )
 
     def settings(self) -> dict[str, int | float]:
-        return {"bits": self.bits, "fraction": self.fraction}
+        return {
+            "bits": self.bits,
+            "chunk": self.chunk,
+            "dense_vectors": self.dense_vectors,
+            "dense_windows": self.dense_windows,
+            "error_decay": self.error_decay,
+            "fraction": self.fraction,
+        }
+
+    def dense(self, spec: TensorSpec) -> bool:
+        """Whether ``spec`` is sent dense (``int8``) rather than sparse."""
+        return bool(self.dense_vectors) and len(spec.shape) < 2
+
+    def _share(self, length: int) -> int:
+        """Values kept from a selection chunk of ``length`` elements."""
+        if length == 0:
+            return 0
+        return min(length, max(1, math.ceil(self.fraction * length)))
+
+    def _selection(self, numel: int) -> tuple[int, int, int]:
+        """``(chunk length, whole chunks, length of the last, shorter chunk or 0)``."""
+        size = self.chunk or max(numel, 1)
+        return size, numel // size, numel % size
 
     def kept(self, numel: int) -> int:
-        """How many values of an ``numel``-element tensor are sent."""
-        if numel == 0:
-            return 0
-        return min(numel, max(1, math.ceil(self.fraction * numel)))
+        """How many values of a sparse ``numel``-element tensor are sent."""
+        size, whole, rest = self._selection(numel)
+        return whole * self._share(size) + self._share(rest)
 
     def layout(self, spec: TensorSpec) -> Layout:
+        if self.dense(spec):
+            return DENSE.layout(spec)
         numel = math.prod(spec.shape)
         k = self.kept(numel)
         return {
@@ -113,13 +182,15 @@ class SparseLoCoCodec:
         self, spec: TensorSpec, seed: int
     ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
         """A function from one float32 tensor to its parts (stateless; ``seed`` unused)."""
+        if self.dense(spec):
+            return DENSE.encoder(spec, seed)
         numel = math.prod(spec.shape)
-        k, chunks, bits = self.kept(numel), -(-numel // CHUNK_SIZE), self.bits
+        chunks, bits = -(-numel // CHUNK_SIZE), self.bits
+        size, whole, rest = self._selection(numel)
 
         def encode(value: torch.Tensor) -> dict[str, torch.Tensor]:
             flat = value.reshape(-1)
-            chosen = torch.topk(flat.abs(), k, sorted=False).indices
-            chosen = torch.sort(chosen).values
+            chosen = self._choose(flat.abs(), size, whole, rest)
             kept = flat[chosen]
             scale, levels = _fit_scale(kept.abs(), 1 << (bits - 1))
             codes = kept.lt(0).to(torch.int32).mul_(1 << (bits - 1)).add_(levels)
@@ -132,9 +203,25 @@ class SparseLoCoCodec:
 
         return encode
 
+    def _choose(self, magnitudes: torch.Tensor, size: int, whole: int, rest: int) -> torch.Tensor:
+        """The sorted flat positions kept: each selection chunk's top share."""
+        pieces = []
+        if whole:
+            rows = magnitudes[: whole * size].view(whole, size)
+            top = torch.topk(rows, self._share(size), dim=1, sorted=False).indices
+            top = torch.sort(top, dim=1).values
+            top += torch.arange(whole, dtype=torch.int64).mul_(size).unsqueeze(1)
+            pieces.append(top.reshape(-1))
+        if rest:
+            tail = torch.topk(magnitudes[whole * size :], self._share(rest), sorted=False).indices
+            pieces.append(torch.sort(tail).values.add_(whole * size))
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
     def decode(self, spec: TensorSpec, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The dense float32 tensor; ``parts`` already match :meth:`layout`. Raises
         :class:`ProtocolViolation` for parts that are not the canonical encoding."""
+        if self.dense(spec):
+            return DENSE.decode(spec, parts)
         numel = math.prod(spec.shape)
         k = self.kept(numel)
         scale = parts["scale"]
@@ -143,6 +230,7 @@ class SparseLoCoCodec:
                 f"sparseloco scale of {spec.name!r} must be finite and >= 0, got {float(scale)}"
             )
         positions = _positions(spec.name, parts["counts"], parts["offsets"], numel, k)
+        self._check_shares(spec.name, positions, numel)
         codes = unpack_codes(spec.name, self.name, parts["codes"], k, self.bits)
         dense = torch.zeros(numel, dtype=torch.float32)
         if k:
@@ -152,6 +240,22 @@ class SparseLoCoCodec:
             # Unique positions, so the scatter writes each one once: exact and ordered.
             dense.index_copy_(0, positions, values)
         return dense.reshape(spec.shape)
+
+    def _check_shares(self, name: str, positions: torch.Tensor, numel: int) -> None:
+        """Each selection chunk holds exactly its share of the (valid, increasing)
+        ``positions``."""
+        size, whole, rest = self._selection(numel)
+        if whole + (rest > 0) <= 1:
+            return  # one chunk: its share is k, already checked
+        held = torch.bincount(positions // size, minlength=whole + (rest > 0))
+        wanted = torch.full((whole + (rest > 0),), self._share(size), dtype=held.dtype)
+        if rest:
+            wanted[-1] = self._share(rest)
+        if not torch.equal(held, wanted):
+            raise ProtocolViolation(
+                f"sparseloco positions of {name!r} do not keep {self._share(size)} values in "
+                f"each chunk of {size}"
+            )
 
 
 def _fit_scale(magnitudes: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:

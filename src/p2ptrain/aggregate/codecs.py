@@ -38,7 +38,7 @@ topk        ``values``            ``(k,)``                                      
 lowrank     ``p``, ``q``          ``(rows, r)``, ``(cols, r)`` [#]_              float32
 lowrank     ``values`` (raw)      the parameter's                                float32
 sparseloco  ``counts``            ``(ceil(numel / 65536),)``                     int32
-sparseloco  ``offsets``           ``(k,)``, ``k`` as for ``topk``                int16 [#]_
+sparseloco  ``offsets``           ``(k,)``, ``k`` summed over chunks [#]_        int16
 sparseloco  ``codes``             ``(ceil(k * bits / 8),)``                      uint8
 sparseloco  ``scale``             ``(1,)``                                       float32
 =========== ===================== ============================================== ===========
@@ -46,8 +46,11 @@ sparseloco  ``scale``             ``(1,)``                                      
 .. [#] int64 for tensors of ``2**31`` elements or more; ``k = 0`` for empty tensors.
 .. [#] ``rows = shape[0]``, ``cols = prod(shape[1:])``, ``r = min(rank, rows, cols)``, for
    tensors with ``ndim >= 2`` whose factors are smaller than the matrix; others go raw.
-.. [#] positions within 65536-element chunks, minus 32768; ``counts`` says how many fall in
-   each chunk; ``codes`` packs a ``bits``-bit code (sign, level) per kept value.
+.. [#] ``max(1, ceil(fraction * m))`` of each selection chunk of ``m = chunk`` elements (the
+   last may be shorter); positions within 65536-element chunks, minus 32768; ``counts`` says
+   how many fall in each chunk; ``codes`` packs a ``bits``-bit code (sign, level) per kept
+   value. Tensors with fewer than two dimensions go as ``int8`` (``dense_vectors = 1``), and
+   the windows of the dense warm-up (``dense_windows``) as ``int4`` (:func:`codec_at`).
 
 The codec and the schema fix every part's name, shape and dtype, so an honest blob's layout
 is fully determined and a decoder checks it exactly. The part values are specified in
@@ -81,7 +84,7 @@ from p2ptrain.aggregate.codec_dense import CastCodec, Int8Codec, PackedQuantCode
 from p2ptrain.aggregate.codec_encoder import MAX_ABS_VALUE, EncoderStatistics, UpdateEncoder
 from p2ptrain.aggregate.codec_lowrank import LowRankCodec
 from p2ptrain.aggregate.codec_sparse import TopKCodec
-from p2ptrain.aggregate.codec_sparseloco import SparseLoCoCodec
+from p2ptrain.aggregate.codec_sparseloco import SELECTION_CHUNK, SparseLoCoCodec
 from p2ptrain.aggregate.exact import all_finite
 from p2ptrain.core.manifests import CodecSpec, ConfigValue
 from p2ptrain.core.tensors import MAX_NDIM, Schema, TensorSpec, decode_state_dict, schema_hash
@@ -90,14 +93,18 @@ from p2ptrain.errors import LocalError, ProtocolViolation
 __all__ = [
     "HEADER_TENSOR",
     "MAX_ABS_VALUE",
+    "WARMUP_CODEC",
     "WIRE_FORMAT",
     "EncoderStatistics",
     "ParameterCodec",
     "UpdateEncoder",
+    "WindowEncoders",
+    "codec_at",
     "codec_for",
     "decode_update",
     "make_encoder",
     "max_update_bytes",
+    "max_update_bytes_any",
 ]
 
 HEADER_TENSOR: Final = "__codec__"
@@ -170,6 +177,10 @@ def _sparseloco(spec: CodecSpec) -> ParameterCodec:
     return SparseLoCoCodec(
         fraction=float(_setting(spec, "fraction", float, 0.02)),
         bits=int(_setting(spec, "bits", int, 2)),
+        chunk=int(_setting(spec, "chunk", int, SELECTION_CHUNK)),
+        dense_vectors=int(_setting(spec, "dense_vectors", int, 1)),
+        error_decay=float(_setting(spec, "error_decay", float, 0.95)),
+        dense_windows=int(_setting(spec, "dense_windows", int, 0)),
     )
 
 
@@ -186,7 +197,10 @@ _REGISTRY: Final[dict[str, tuple[tuple[str, ...], Callable[[CodecSpec], Paramete
     "int2": (("block_size",), _packed),
     "topk": (("fraction",), _topk),
     "lowrank": (("rank",), _lowrank),
-    "sparseloco": (("bits", "fraction"), _sparseloco),
+    "sparseloco": (
+        ("bits", "chunk", "dense_vectors", "dense_windows", "error_decay", "fraction"),
+        _sparseloco,
+    ),
 }
 
 
@@ -201,6 +215,28 @@ def codec_for(spec: CodecSpec) -> ParameterCodec:
                 f"codec.config.{key} is not a setting of codec {spec.name!r} (settings: {known})"
             )
     return build(spec)
+
+
+WARMUP_CODEC: Final = CodecSpec(name="int4")
+"""The codec of a ``sparseloco`` experiment's dense warm-up windows."""
+
+
+def codec_at(spec: CodecSpec, window: int) -> CodecSpec:
+    """The codec updates of ``window`` use: ``spec``, except in the dense warm-up of a
+    ``sparseloco`` codec (windows ``1 .. dense_windows``: :data:`WARMUP_CODEC`)."""
+    codec = codec_for(spec)
+    if isinstance(codec, SparseLoCoCodec) and window <= codec.dense_windows:
+        return WARMUP_CODEC
+    return spec
+
+
+def max_update_bytes_any(spec: CodecSpec, schema: Iterable[TensorSpec]) -> int:
+    """:func:`max_update_bytes` of the largest codec any window of ``spec`` uses."""
+    limit = max_update_bytes(spec, schema)
+    codec = codec_for(spec)
+    if isinstance(codec, SparseLoCoCodec) and codec.dense_windows:
+        limit = max(limit, max_update_bytes(WARMUP_CODEC, schema))
+    return limit
 
 
 # ------------------------------------------------------------------------ format
@@ -295,6 +331,7 @@ def make_encoder(spec: CodecSpec, schema: Iterable[TensorSpec], *, seed: int = 0
         header_name=HEADER_TENSOR,
         header=header_bytes(codec, model),
         seed=seed,
+        error_decay=codec.error_decay if isinstance(codec, SparseLoCoCodec) else 1.0,
         decode=lambda blob: decode_update(blob, spec, model, max_bytes=limit),
     )
 
@@ -427,3 +464,26 @@ def check_parts(found: Layout, layout: Layout, codec: str) -> None:
 def _names(names: list[str]) -> str:
     shown = ", ".join(repr(name)[:60] for name in names[:3])
     return f"[{shown}{', ...' if len(names) > 3 else ''}]"
+
+
+class WindowEncoders:
+    """The encoder of each window's codec (:func:`codec_at`) for one trainer: one
+    :class:`UpdateEncoder`, built again (with empty residuals) when the codec changes, at
+    the end of a dense warm-up."""
+
+    def __init__(self, spec: CodecSpec, schema: Iterable[TensorSpec], *, seed: int = 0) -> None:
+        self._spec, self._schema, self._seed = spec, model_schema(schema), seed
+        self._at: CodecSpec | None = None
+        self._encoder: UpdateEncoder | None = None
+
+    def at(self, window: int) -> UpdateEncoder:
+        """The encoder of ``window``'s updates."""
+        spec = codec_at(self._spec, window)
+        if self._encoder is None or spec != self._at:
+            self._encoder = make_encoder(spec, self._schema, seed=self._seed)
+            self._at = spec
+        return self._encoder
+
+    def feeds_back(self, window: int) -> bool:
+        """Whether ``window``'s codec keeps error-feedback residuals."""
+        return codec_for(codec_at(self._spec, window)).error_feedback

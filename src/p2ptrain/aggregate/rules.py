@@ -13,6 +13,8 @@ settings of ``aggregation.config`` (an unknown or out-of-range key raises
   ``iterations = 3``.
 * ``geometric_median``: Weiszfeld from the coordinate-wise median; ``iterations = 4``,
   ``eps = 1e-6``, ``tolerance = 1e-5``.
+* ``contributor_mean``: per coordinate, the mean over the updates that sent it, each update
+  first clipped to the median norm; ``clip = 1`` (:mod:`.rules_sparse`, for sparse codecs).
 
 Every rule takes the cohort in any order (it sorts by update id), returns one diagnostic
 per update (failures included) and, when the cohort is too small, no aggregate and a reason.
@@ -56,6 +58,7 @@ from p2ptrain.aggregate.rules_robust import (
     Krum,
     KrumConfig,
 )
+from p2ptrain.aggregate.rules_sparse import ContributorMean, ContributorMeanConfig
 from p2ptrain.core.manifests import AggregationSpec, ConfigValue
 from p2ptrain.errors import LocalError
 
@@ -65,6 +68,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CenteredClip",
     "CenteredClipConfig",
+    "ContributorMean",
+    "ContributorMeanConfig",
     "GeometricMedian",
     "GeometricMedianConfig",
     "Krum",
@@ -303,6 +308,9 @@ _FACTORIES: dict[str, Callable[[Settings], StreamingRule]] = {
     "centered_clip": lambda s: CenteredClip(_config("centered_clip", CenteredClipConfig, s)),
     "geometric_median": lambda s: GeometricMedian(
         _config("geometric_median", GeometricMedianConfig, s)
+    ),
+    "contributor_mean": lambda s: ContributorMean(
+        _config("contributor_mean", ContributorMeanConfig, s)
     ),
 }
 

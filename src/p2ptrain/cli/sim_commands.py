@@ -10,6 +10,21 @@ from p2ptrain.cli.commands import add_command
 from p2ptrain.errors import LocalError
 
 
+def _codec_config(text: str) -> tuple[tuple[str, int | float], ...]:
+    try:
+        settings = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--codec-config {text!r}: not JSON ({error})") from None
+    if not isinstance(settings, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in settings.values()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"--codec-config {text!r}: expected an object of numbers, e.g. "
+            '\'{"fraction": 0.02, "dense_windows": 2}\''
+        )
+    return tuple(sorted(settings.items()))
+
+
 def _crash(text: str) -> Any:
     from p2ptrain.sim.scenario import Crash
 
@@ -74,6 +89,18 @@ def add_parsers(commands: Any, data_dir: str) -> None:
     sim.add_argument("--rule", default="trimmed_mean", help="aggregation rule")
     sim.add_argument("--codec", default="fp16", help="update codec")
     sim.add_argument(
+        "--codec-config", type=_codec_config, default=(), metavar="JSON",
+        help='the codec\'s settings, e.g. \'{"fraction": 0.02, "dense_windows": 2}\'',
+    )  # fmt: skip
+    sim.add_argument(
+        "--aggregate-precision", default="fp32", metavar="P",
+        help="aggregation.precision: fp32, bf16, int8, int4 or int2",
+    )  # fmt: skip
+    sim.add_argument(
+        "--outer", choices=("nesterov", "sgd"), default="nesterov",
+        help="the outer step: nesterov 0.7/0.9 (default) or sgd at lr 1 (for sparseloco)",
+    )  # fmt: skip
+    sim.add_argument(
         "--adversary", action="append", default=[], choices=ADVERSARIES,
         help="add an adversary (repeatable)",
     )  # fmt: skip
@@ -98,6 +125,7 @@ def run_sim(args: argparse.Namespace) -> int:
         trainers=args.trainers, validators=args.validators, quorum=args.quorum,
         windows=args.windows, seed=args.seed, reducers=args.reducers, workload=args.workload,
         byzantine=args.byzantine, attack=args.attack, rule=args.rule, codec=args.codec,
+        codec_config=args.codec_config, precision=args.aggregate_precision, outer=args.outer,
         adversaries=tuple(args.adversary), silent_validators=args.silent_validators,
         crashes=tuple(args.crash), partitions=tuple(args.partition), slow=tuple(args.slow),
         loss=args.loss, allow_minority_quorum=args.allow_minority_quorum,

@@ -425,8 +425,13 @@ KEYS: dict[str, KeyDoc] = {
     ),
     "codec.config": KeyDoc(
         "The codec's settings: `block_size` (`int8`, `int4`, `int2`; default 256), "
-        "`fraction` (`topk`, default 0.01; `sparseloco`, default 0.02), `bits` "
-        "(`sparseloco`: 2 or 4, default 2), `rank` (`lowrank`, default 4).",
+        "`fraction` (`topk`, default 0.01; `sparseloco`, default 0.02), `rank` (`lowrank`, "
+        "default 4); `sparseloco` also takes `bits` (2 or 4, default 2), `chunk` (top-k "
+        "within chunks of this many values, default 4096; 0 the whole tensor), "
+        "`dense_vectors` (1, the default: norms and biases go as `int8`), `error_decay` "
+        "(default 0.95) and `dense_windows` (the first windows go as `int4`, default 0); "
+        "it is meant for outer `sgd` at lr 1, the `contributor_mean` rule and `bf16` "
+        "aggregates.",
         values=_CONFIG,
         example={"block_size": 256},
     ),
@@ -436,14 +441,16 @@ KEYS: dict[str, KeyDoc] = {
     "aggregation.config": KeyDoc(
         "The rule's settings: `beta` (`trimmed_mean`: the fraction trimmed from each side, "
         "default 0.3), `f` and `m` (`krum`), `tau` and `iterations` (`centered_clip`), "
-        "`iterations`, `eps` and `tolerance` (`geometric_median`); a key the rule does not "
+        "`iterations`, `eps` and `tolerance` (`geometric_median`), `clip` (`contributor_mean`: "
+        "1, the default, clips each update to the median norm); a key the rule does not "
         "know is refused.",
         values=_CONFIG,
         example={"beta": 0.3},
     ),
     "aggregation.precision": KeyDoc(
         "How the aggregate is rounded before the outer step and stored for followers: "
-        "`fp32`, not at all; `int8`, `int4`, `int2`, blockwise (a quarter, an eighth, a "
+        "`fp32`, not at all; `bf16`, to bfloat16 (half the bytes; a sparse aggregate is "
+        "stored sparse); `int8`, `int4`, `int2`, blockwise (a quarter, an eighth, a "
         "sixteenth of the bytes to download).",
         choices=m.AGGREGATE_PRECISIONS,
     ),

@@ -46,12 +46,14 @@ AGGREGATION_RULES = (
     "krum",
     "centered_clip",
     "geometric_median",
+    "contributor_mean",
 )
 
 #: How a window's aggregate is rounded before the outer step and stored for followers:
-#: ``fp32`` -- not at all; ``int8`` / ``int4`` / ``int2`` -- blockwise, as the update codecs
-#: of those names quantise (a quarter, an eighth, a sixteenth of the bytes to download).
-AGGREGATE_PRECISIONS = ("fp32", "int8", "int4", "int2")
+#: ``fp32`` -- not at all; ``bf16`` -- to bfloat16 (half the bytes; a sparse aggregate stays
+#: sparse); ``int8`` / ``int4`` / ``int2`` -- blockwise, as the update codecs of those names
+#: quantise (a quarter, an eighth, a sixteenth of the bytes to download).
+AGGREGATE_PRECISIONS = ("fp32", "bf16", "int8", "int4", "int2")
 
 MAX_CONFIG_ENTRIES = 64
 MAX_STALENESS = 4

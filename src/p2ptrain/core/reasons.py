@@ -66,7 +66,7 @@ class Code(IntEnum):
 TEXTS: dict[Code, str] = {
     Code.QUARANTINED: "trainer is quarantined until window {0}",
     Code.REPEATED: "trainer sent more than one update in this window",
-    Code.WRONG_CODEC: "codec {0!r}, the experiment uses {1!r}",
+    Code.WRONG_CODEC: "codec {0!r}, the experiment uses {1!r} in this window",
     Code.LEASE_SHARDS: "lease names other shards than the trainer's lease for window {0}",
     Code.LEASE_SAMPLES: "lease claims {0} samples, the lease holds {1}",
     Code.BLOB_MISMATCH: "blob does not match the update's delta_blob hash and size",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from p2ptrain.aggregate.codecs import max_update_bytes
+from p2ptrain.aggregate.codecs import max_update_bytes_any
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.records import AdmissionCertificate, Revocation
@@ -105,7 +105,7 @@ class Node:
         intake = IntakeRules(
             manifest,
             self.experiment_id,
-            max_update_bytes=max_update_bytes(manifest.codec, schema_of(prepared.genesis)),
+            max_update_bytes=max_update_bytes_any(manifest.codec, schema_of(prepared.genesis)),
         )
         storage = StorageHealth(str(store.datadir.path))
         #: Deletes the blobs the node no longer needs (None: an archive node keeps all).

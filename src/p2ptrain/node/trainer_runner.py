@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from p2ptrain.aggregate.codecs import make_encoder
+from p2ptrain.aggregate.codecs import WindowEncoders
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.manifests import InnerOptimizerSpec, ShardInfo
@@ -153,9 +153,11 @@ class TrainerRunner(RoleRunner):
         self._lr_scale = inner_lr_scaler(workload, self.manifest.inner_optimizer)
         warn_if_other_lr(workload, self.manifest.inner_optimizer)
         genesis = machine.base.weights
-        self._encoder = make_encoder(
+        self._encoders = WindowEncoders(
             self.manifest.codec, schema_of(genesis), seed=window_seed(self.peer_id, 0)
         )
+        #: The encoder of the next window to train (the codec changes after a dense warm-up).
+        self._encoder = self._encoders.at(machine.base.head.height + 1)
         self._train_ready = asyncio.Event()
         self._pending: act.Train | None = None
         #: The head a Train names, as the machine held it when it asked (a trainer ahead
@@ -328,6 +330,7 @@ class TrainerRunner(RoleRunner):
             self.workload.data.begin_lease(lease)
         indices = lease_indices(self.manifest.dataset, lease)
         metadata = {"window": str(action.window), "experiment": self.services.experiment_id}
+        self._encoder = self._encoders.at(action.window)
         requeue, self._requeue = self._requeue, []
         for blob in requeue:  # here, in the thread that encodes: never during an encode
             self._encoder.requeue_unaccepted(blob)
@@ -391,7 +394,7 @@ class TrainerRunner(RoleRunner):
             )
             return
         services.publish("update", signed)
-        if self._encoder.codec.error_feedback:
+        if self._encoders.feeds_back(signed.record.window):
             self._unsettled[signed.record.window] = (signed.record_id, blob)
         self.emit(
             Published(

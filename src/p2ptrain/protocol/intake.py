@@ -23,6 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from p2ptrain.aggregate.codecs import codec_at
 from p2ptrain.core.envelope import Signed
 from p2ptrain.core.identity import peer_id_of
 from p2ptrain.core.manifests import ExperimentManifest
@@ -107,7 +108,7 @@ class IntakeRules:
         if getattr(record, "experiment_id", None) != self.experiment_id:
             return "record for another experiment"
         if isinstance(record, Update):
-            if record.codec != self.manifest.codec.name:
+            if record.codec != codec_at(self.manifest.codec, record.window).name:
                 return f"update in codec {record.codec!r}, not the experiment's"
             if record.delta_bytes > self.max_update_bytes:
                 return f"update blob of {record.delta_bytes} bytes is over the codec's bound"

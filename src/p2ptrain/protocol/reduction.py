@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.aggregate.aggregate_blob import settle_aggregate, settles_unchanged
-from p2ptrain.aggregate.codecs import max_update_bytes
+from p2ptrain.aggregate.codecs import codec_at, max_update_bytes
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
 from p2ptrain.aggregate.rules import RankedRule, StreamingRule, make_rule
@@ -320,8 +320,9 @@ def _admit(
         return Reason(Code.QUARANTINED, (until,)), False
     if repeated:
         return Reason(Code.REPEATED), True
-    if update.codec != manifest.codec.name:
-        return Reason(Code.WRONG_CODEC, (update.codec[:64], manifest.codec.name)), True
+    expected = codec_at(manifest.codec, update.window).name
+    if update.codec != expected:
+        return Reason(Code.WRONG_CODEC, (update.codec[:64], expected)), True
     problem = leases.check(update)
     if problem is not None:
         return problem, True
@@ -360,7 +361,6 @@ class _Verdicts:
         (:class:`Ranked`: the rule's result when screening accepts them all)."""
         per_trainer = Counter(s.update.trainer_id for s in ordered)
         schema = schema_of(base.weights)
-        limit = max_update_bytes(manifest.codec, schema)
         opened: list[tuple[Submission, UpdateVector]] = []
         for submission in ordered:
             repeated = per_trainer[submission.update.trainer_id] > 1
@@ -370,7 +370,9 @@ class _Verdicts:
                 continue
             try:
                 # only the blob's headers are read here; its values, a window at a time
-                vector = UpdateVector(submission.blob, manifest.codec, schema, max_bytes=limit)
+                codec = codec_at(manifest.codec, submission.update.window)
+                limit = max_update_bytes(codec, schema)
+                vector = UpdateVector(submission.blob, codec, schema, max_bytes=limit)
             except ProtocolViolation:
                 self.reject(submission.update_id, Reason(Code.UNDECODABLE))
             else:

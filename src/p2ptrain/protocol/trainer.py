@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2ptrain.aggregate.codecs import codec_at
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import Signed, seal
 from p2ptrain.core.identity import Identity
@@ -169,7 +170,7 @@ class TrainerMachine(ChainRole):
             lease_samples=lease.samples,
             delta_blob=sha256_hex(blob),
             delta_bytes=len(blob),
-            codec=self.manifest.codec.name,
+            codec=codec_at(self.manifest.codec, window).name,
             loss_before=loss_before,
             loss_after=loss_after,
         )

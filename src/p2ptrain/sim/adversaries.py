@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from p2ptrain.aggregate.codecs import WindowEncoders
 from p2ptrain.aggregate.exact import flatten, unflatten
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import sha256_hex
@@ -40,7 +41,7 @@ def trained_update(
     *,
     workload: SimWorkload,
     trainer_index: int,
-    encoder: Any,
+    encoder: WindowEncoders,
 ) -> tuple[bytes, float, float] | None:
     """The trainer's window is done: the honest (or Byzantine) blob and losses to hand its
     policy, or None when an adversary sent what its behaviour says instead."""
@@ -69,7 +70,7 @@ def trained_update(
         context = AttackContext(own, [own], scenario.byzantine, scenario.trainers, generator)
         delta = unflatten(attack.forge(context), delta)
     try:
-        blob = encoder.encode(delta)
+        blob = encoder.at(action.window).encode(delta)
     except LocalError:  # e.g. NaN: the codec refuses, so send the raw tensors instead
         blob = bytes(encode_state_dict(delta))
     return blob, before, after

@@ -14,6 +14,7 @@ from p2ptrain.core.manifests import (
     AggregationSpec,
     CodecSpec,
     ExperimentManifest,
+    OuterOptimizerSpec,
     WindowSpec,
     WorkloadSpec,
 )
@@ -75,8 +76,13 @@ def experiment_manifest(
             max_updates=max(1000, s.trainers + 10),
             proposal_s=5.0,
         ),
-        codec=CodecSpec(name=s.codec),
-        aggregation=AggregationSpec(rule=s.rule),
+        codec=CodecSpec(name=s.codec, config=dict(s.codec_config)),
+        aggregation=AggregationSpec(rule=s.rule, precision=s.precision),
+        outer_optimizer=(
+            OuterOptimizerSpec()
+            if s.outer == "nesterov"
+            else OuterOptimizerSpec(name="sgd", lr=1.0, momentum=0.0)
+        ),
         validators=tuple(sorted(v.public_key for v in validators)),
         reducers=tuple(sorted(r.public_key for r in reducers)),
         quorum=s.quorum,

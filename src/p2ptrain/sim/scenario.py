@@ -61,6 +61,12 @@ class Scenario:
     attack: str = "sign_flip"
     rule: str = "trimmed_mean"
     codec: str = "fp16"
+    #: the codec's settings, e.g. ``(("dense_windows", 2),)``
+    codec_config: tuple[tuple[str, int | float], ...] = ()
+    #: ``aggregation.precision``
+    precision: str = "fp32"
+    #: the outer step: ``nesterov`` (the manifest's default) or ``sgd`` (lr 1)
+    outer: str = "nesterov"
     adversaries: tuple[str, ...] = ()
     silent_validators: int = 0
     crashes: tuple[Crash, ...] = ()

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from p2ptrain.aggregate.codecs import WindowEncoders
 from p2ptrain.driver.failures import FailureBook
 from p2ptrain.driver.runner import RoleRunner
 from p2ptrain.driver.services import PeerServices
@@ -43,7 +44,7 @@ class SimTrainerRunner(RoleRunner):
         workload: SimWorkload,
         sender: Callable[[], Sender],
         trainer_index: int,
-        encoder: Any,
+        encoder: WindowEncoders,
         training: Callable[[], bool],
     ) -> None:
         self.trainer = machine

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from p2ptrain.aggregate.codecs import make_encoder, max_update_bytes
+from p2ptrain.aggregate.codecs import WindowEncoders, max_update_bytes_any
 from p2ptrain.core.certificate import CertifiedLink
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import KINDS, open_envelope
@@ -79,7 +79,7 @@ class _Node:
     up: bool = True
     stopped: bool = False
     trainer_index: int = -1
-    encoder: Any = None
+    encoder: WindowEncoders | None = None
     transport: SimTransport | None = None
     #: The node's driver: built at start and again at each restart (memory is lost).
     runner: RoleRunner | None = None
@@ -127,7 +127,7 @@ class World:
         self.intake = IntakeRules(
             self.manifest,
             self.manifest.id,
-            max_update_bytes=max_update_bytes(self.manifest.codec, schema_of(self.genesis)),
+            max_update_bytes=max_update_bytes_any(self.manifest.codec, schema_of(self.genesis)),
         )
         self.outbox = Outbox(
             self.net,
@@ -165,7 +165,7 @@ class World:
             node = _Node(
                 name, identity, trainer, "trainer", SimKeep(), behaviour, trainer_index=index
             )
-            node.encoder = make_encoder(self.manifest.codec, schema_of(self.genesis), seed=index)
+            node.encoder = WindowEncoders(self.manifest.codec, schema_of(self.genesis), seed=index)
             self._add(node)
         for slow in scenario.slow:
             self._node(slow.node)
@@ -235,7 +235,7 @@ class World:
                 machine.restart(self.sim.now)
             runner = ParticipantRunner(machine, services, FailureBook(), self.emit_for(node))
         else:
-            assert isinstance(machine, TrainerMachine)
+            assert isinstance(machine, TrainerMachine) and node.encoder is not None
             runner = SimTrainerRunner(
                 machine,
                 services,

@@ -281,3 +281,33 @@ def test_a_rounding_a_slab_at_a_time_gives_the_whole_tensors_parts(precision: st
     for name, value in expected_values.items():
         assert torch.equal(rounded[name], value) and torch.equal(in_place[name], value), name
         assert torch.equal(own[name], value), name  # overwritten where it lay
+
+
+def test_a_bf16_aggregate_rounds_to_nearest_even_and_stays_sparse() -> None:
+    generator = torch.Generator().manual_seed(20261206)
+    big = torch.zeros(300_000)
+    big[::50] = torch.randn(6000, generator=generator)  # 2% sent: a sparse codec's union
+    big[7] = -0.0
+    tensors = {"w": big.reshape(600, 500), "b": torch.randn(10, generator=generator)}
+    applied, blob = settle_aggregate(tensors, "bf16")
+    for name, tensor in tensors.items():
+        assert torch.equal(applied[name], tensor.to(torch.bfloat16).to(torch.float32))
+    back = decode_aggregate(bytes(blob), schema_of(tensors), max_bytes=LIMIT, precision="bf16")
+    assert all(_same_bits(applied[n], back[n]) for n in tensors)
+    parts = decode_state_dict(bytes(blob), max_bytes=LIMIT)
+    assert parts["w/values"].dtype == torch.bfloat16
+    assert parts["w/values"].numel() == 6001  # -0.0 is stored
+    assert parts["b/dense"].dtype == torch.bfloat16
+    # 4 bytes a stored value against the fp32 form's 6
+    assert len(blob) < 0.7 * len(encode_aggregate(tensors))
+
+
+def test_a_bf16_aggregate_refuses_float32_values_and_the_reverse() -> None:
+    tensors = {"w": _sparse(4096, [1, 2, 3]), "b": torch.randn(10)}
+    schema = schema_of(tensors)
+    _, half = settle_aggregate(tensors, "bf16")
+    full = encode_aggregate(tensors)
+    with pytest.raises(ProtocolViolation, match=r"wrong dtypes|is not"):
+        decode_aggregate(bytes(full), schema, max_bytes=LIMIT, precision="bf16")
+    with pytest.raises(ProtocolViolation, match=r"wrong dtypes|is not"):
+        decode_aggregate(bytes(half), schema, max_bytes=LIMIT, precision="fp32")

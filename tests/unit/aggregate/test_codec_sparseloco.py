@@ -17,10 +17,14 @@ from hypothesis import strategies as st
 from p2ptrain.aggregate.codec_sparseloco import CHUNK_SIZE
 from p2ptrain.aggregate.codecs import (
     MAX_ABS_VALUE,
+    WARMUP_CODEC,
     UpdateEncoder,
+    WindowEncoders,
+    codec_at,
     decode_update,
     make_encoder,
     max_update_bytes,
+    max_update_bytes_any,
 )
 from p2ptrain.core.manifests import CodecSpec
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
@@ -33,8 +37,14 @@ SEED = 20250307
 BIAS = 2**15  # offsets are sent as (position within the chunk) - 32768
 
 
+#: The wire-format tests below take top-k over whole tensors, sparse vectors too, and
+#: undecayed error feedback; the published mechanics (chunks, dense vectors, decay) have
+#: their own tests at the end.
+WHOLE = {"chunk": 0, "dense_vectors": 0, "error_decay": 1.0}
+
+
 def spec_of(**config: int | float) -> CodecSpec:
-    return CodecSpec(name="sparseloco", config=dict(config))
+    return CodecSpec(name="sparseloco", config={**WHOLE, **config})
 
 
 def decode(blob: bytes, spec: CodecSpec, delta: Tensors) -> Tensors:
@@ -531,3 +541,125 @@ def test_honest_encodings_decode_and_never_lose_more_than_sending_nothing(
             assert bool((sent[signed].sign() == flat[signed].sign()).all())
             lost = float((flat - sent).square().sum())
             assert lost <= float(flat.square().sum()) * (1 + 1e-6)
+
+
+# ------------------------------------------------------------ the published mechanics
+
+
+def published(**config: int | float) -> CodecSpec:
+    """The codec with its defaults: chunked top-k, dense vectors, decayed feedback."""
+    return CodecSpec(name="sparseloco", config=dict(config))
+
+
+def test_top_k_is_taken_inside_each_chunk() -> None:
+    # the second chunk's values are a hundred times larger: whole-tensor top-k would spend
+    # every kept value there, the chunked one keeps 82 (2% of 4096) in each chunk and 2 of
+    # the 100-value tail
+    generator = torch.Generator().manual_seed(SEED)
+    value = torch.randn(8292, generator=generator).reshape(2, 4146)
+    value.view(-1)[4096:8192] *= 100
+    delta = {"w": value}
+    spec = published()
+    blob = make_encoder(spec, schema_of(delta)).encode(delta)
+    positions = decode(blob, spec, delta)["w"].reshape(-1).ne(0).nonzero().reshape(-1)
+    assert torch.bincount(positions // 4096, minlength=3).tolist() == [82, 82, 2]
+    first = value.reshape(-1)[:4096].abs()
+    assert set(positions[:82].tolist()) == set(torch.topk(first, 82).indices.tolist())
+
+
+def test_a_blob_that_moves_a_value_to_another_chunk_is_refused() -> None:
+    generator = torch.Generator().manual_seed(SEED)
+    delta = {"w": torch.randn(4, 2048, generator=generator)}  # two selection chunks
+    spec = published(fraction=0.01)  # 41 of each 4096
+    blob = make_encoder(spec, schema_of(delta)).encode(delta)
+    tensors = decode_state_dict(blob)
+    offsets = tensors["w/offsets"].clone()
+    # the first chunk's last position moves into the second chunk: still increasing, the
+    # counts still sum to k, but the first chunk now keeps 40 and the second 42
+    offsets[40] = 4096 + int(offsets[40] + BIAS) % 2 - BIAS
+    assert int(offsets[40]) < int(offsets[41])
+    tensors["w/offsets"] = offsets
+    with pytest.raises(ProtocolViolation, match="41 values in each chunk of 4096"):
+        decode(bytes(encode_state_dict(tensors)), spec, delta)
+
+
+def test_vectors_are_sent_dense_as_int8() -> None:
+    delta = seeded_delta(SEED)
+    spec = published()
+    blob = make_encoder(spec, schema_of(delta)).encode(delta)
+    for name in ("b", "g", "t"):
+        assert set(parts_of(blob, name)) == {"q", "scale"}, name
+    assert set(parts_of(blob, "w")) == {"counts", "offsets", "codes", "scale"}
+    decoded = decode(blob, spec, delta)
+    # int8: every element sent, within half a step of 1/127 of the block's largest magnitude
+    step = float(delta["b"].abs().max()) / 127
+    assert float((decoded["b"] - delta["b"]).abs().max()) <= step / 2 + 1e-6
+
+
+def test_the_residual_decays_by_error_decay() -> None:
+    generator = torch.Generator().manual_seed(SEED)
+    delta = {"w": torch.randn(64, 64, generator=generator)}
+    spec = published(error_decay=0.5)
+    encoder = make_encoder(spec, schema_of(delta))
+    encoder.encode(delta)
+    held = encoder.residuals()["w"]
+    zero = {"w": torch.zeros(64, 64)}
+    blob = encoder.encode(zero)
+    # what the second round compresses is half what the first held back
+    sent = decode(blob, spec, delta)["w"]
+    assert torch.equal(encoder.residuals()["w"], held * 0.5 - sent)
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"chunk": 1000}, "codec.config.chunk"),
+        ({"chunk": 1 << 17}, "codec.config.chunk"),
+        ({"dense_vectors": 2}, "codec.config.dense_vectors"),
+        ({"error_decay": 0.0}, "codec.config.error_decay"),
+        ({"error_decay": 1.5}, "codec.config.error_decay"),
+        ({"dense_windows": -1}, "codec.config.dense_windows"),
+        ({"dense_windows": 1.5}, "codec.config.dense_windows"),
+    ],
+)
+def test_bad_mechanics_settings_name_their_key(config: dict[str, int | float], key: str) -> None:
+    with pytest.raises(LocalError, match=key):
+        make_encoder(published(**config), schema_of(seeded_delta(SEED)))
+
+
+# ------------------------------------------------------------------ the dense warm-up
+
+
+def test_the_warm_up_windows_use_dense_int4() -> None:
+    spec = published(dense_windows=3)
+    assert [codec_at(spec, w).name for w in (1, 2, 3, 4, 50)] == [
+        "int4",
+        "int4",
+        "int4",
+        "sparseloco",
+        "sparseloco",
+    ]
+    assert codec_at(published(), 1) == published()
+    assert codec_at(CodecSpec(name="int8"), 1) == CodecSpec(name="int8")
+    schema = schema_of(seeded_delta(SEED))
+    assert max_update_bytes_any(spec, schema) == max(
+        max_update_bytes(spec, schema), max_update_bytes(WARMUP_CODEC, schema)
+    )
+
+
+def test_a_trainer_switches_encoders_after_the_warm_up() -> None:
+    delta = seeded_delta(SEED)
+    spec = published(dense_windows=2)
+    encoders = WindowEncoders(spec, schema_of(delta), seed=3)
+    assert encoders.at(1) is encoders.at(2)
+    assert not encoders.feeds_back(2)
+    warm = encoders.at(2).encode(delta)
+    schema = schema_of(delta)
+    decode_update(warm, WARMUP_CODEC, schema, max_bytes=max_update_bytes(WARMUP_CODEC, schema))
+    with pytest.raises(ProtocolViolation):
+        decode(warm, spec, delta)  # a warm-up blob is not a sparse one
+    sparse = encoders.at(3)
+    assert encoders.feeds_back(3)
+    assert sparse.codec.name == "sparseloco"
+    assert sparse.residuals() == {}  # the warm-up left nothing to feed back
+    decode(sparse.encode(delta), spec, delta)

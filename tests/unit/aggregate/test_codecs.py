@@ -412,7 +412,8 @@ def fractions(count: int, modulus: int, divisor: float) -> torch.Tensor:
             "3a661b16237ddbd75294493c5b01f26657da39dec2859688ca5e8cf172cc2dd9",
         ),
         (
-            spec_of("sparseloco", fraction=0.05),  # k: b 2, c 6, w 48
+            # whole-tensor top-k, the vector b sparse too: k: b 2, c 6, w 48
+            spec_of("sparseloco", fraction=0.05, chunk=0, dense_vectors=0),
             {
                 "b/counts": torch.tensor([2], dtype=torch.int32),
                 "b/offsets": (torch.tensor([3, 17]) - 32768).to(torch.int16),
@@ -427,7 +428,7 @@ def fractions(count: int, modulus: int, divisor: float) -> torch.Tensor:
                 "w/codes": (torch.arange(12) * 37 % 256).to(torch.uint8),
                 "w/scale": torch.tensor([1.0]) / 3,
             },
-            "800396fbb51c76f5e7d66a6e113ea01b1572f0f730e393557e7636f302949e7f",
+            "0c37952c44534ada0761e5fb8b9cd539a8d9b826257fe8700868b1471868ff5a",
             "c391fa1ee9cf328ed9c8b3320a1a9e24261cb8097ab2e502d85928b91f2f58f2",
         ),
     ],
@@ -448,7 +449,7 @@ HOSTILE = settings(max_examples=1000)
 SMALL = {"a.weight": (12, 16), "a.bias": (12,), "k": (8, 3, 4), "s": ()}
 SMALL_SETTINGS: dict[str, dict[str, int | float]] = {
     "topk": {"fraction": 0.1},
-    "sparseloco": {"fraction": 0.1},
+    "sparseloco": {"fraction": 0.1, "chunk": 0, "dense_vectors": 0},
 }
 
 
@@ -804,10 +805,11 @@ def test_honest_updates_of_extreme_values_decode(
         ("int8", {"block_size": 64}, 3.7, 4 / (1 + 4 / 64)),
         ("topk", {}, 45.0, 50.0),  # 1% kept, 8 bytes each (int32 index, float32 value)
         ("topk", {"fraction": 0.1}, 4.9, 5.0),
-        # k = 5243 (2%) 16-bit offsets and 2-bit codes, a count and a scale: 11817 bytes
-        ("sparseloco", {}, 84.0, 2**20 / 11817),
-        ("sparseloco", {"fraction": 0.01}, 160.0, 2**20 / 5920),  # k = 2622
-        ("sparseloco", {"bits": 4}, 76.0, 2**20 / 13128),  # 4-bit codes
+        # k = 5248 (82 of each 4096) 16-bit offsets and 2-bit codes, counts, a scale: 11828 B
+        ("sparseloco", {}, 84.0, 2**20 / 11828),
+        # k = 2624: 41 in each of 64 chunks of 4096
+        ("sparseloco", {"fraction": 0.01}, 158.0, 2**20 / 5924),
+        ("sparseloco", {"bits": 4}, 76.0, 2**20 / 13140),  # 4-bit codes
         ("lowrank", {}, 60.0, 64.0),  # (512 + 512) * 4 values instead of 512 * 512
     ],
 )

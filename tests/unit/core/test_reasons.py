@@ -18,7 +18,7 @@ def test_every_code_has_a_text_and_reads_with_its_arguments() -> None:
     )
     assert str(Reason(Code.QUARANTINED, (8,))) == "trainer is quarantined until window 8"
     assert describe(Reason(Code.WRONG_CODEC, ("fp16", "fp32"))) == (
-        "codec 'fp16', the experiment uses 'fp32'"
+        "codec 'fp16', the experiment uses 'fp32' in this window"
     )
 
 

@@ -550,3 +550,42 @@ def test_a_reduction_spooled_to_files_gives_the_same_bytes(
         # what the store adopted stays; what it did not is gone with its last user
         assert list(store.spool_directory.iterdir()) == []
         assert all(store.has(blob_id) for blob_id in kept)
+
+
+# --------------------------------------------------------------- a sparse codec's warm-up
+
+
+def test_the_dense_warm_up_window_takes_int4_updates_and_refuses_sparse_ones() -> None:
+    """Window 1 of a ``sparseloco`` experiment with ``dense_windows = 1`` is a warm-up
+    window: its updates are int4 blobs named ``int4``; a sparse update there is refused
+    for its codec, counted against its trainer."""
+    sparse = CodecSpec(name="sparseloco", config={"dense_windows": 1})
+    manifest = msgspec.structs.replace(
+        MANIFEST, codec=sparse, aggregation=AggregationSpec(rule="contributor_mean")
+    )
+    base = BaseState(genesis_head(manifest), genesis_head(manifest).id, base_weights())
+    warm = [
+        submit(
+            t,
+            delta(i),
+            base=base,
+            manifest=manifest,
+            blob=make_encoder(CodecSpec(name="int4"), SCHEMA).encode(delta(i)),
+            codec="int4",
+        )
+        for i, t in enumerate(HONEST)
+    ]
+    too_early = submit(
+        BAD,
+        delta(4),
+        base=base,
+        manifest=manifest,
+        blob=make_encoder(sparse, SCHEMA).encode(delta(4)),
+        codec="sparseloco",
+    )
+    result = reduce([*warm, too_early], base, manifest)
+    assert result.head is not None, result.reason
+    assert result.accepted == tuple(sorted(s.update_id for s in warm))
+    assert rejection_reasons(result) == {
+        too_early.update_id: "codec 'sparseloco', the experiment uses 'int4' in this window"
+    }
