@@ -668,6 +668,7 @@ def _report(
         "windows": task.windows,
         "inner_steps": task.inner_steps,
         "staleness": task.staleness,
+        "sparse": task.sparse,
         "samples": task.workers * task.steps * int(task.config.get("batch_size", 0) or 0),
         "target_val_loss": None if target is None else round(target, 4),
         "bytes_ratio_vs_ddp": _ratio(

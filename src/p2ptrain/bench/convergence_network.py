@@ -3,10 +3,10 @@
 A seed, a reducer, 3 validators (any 2 certify) and ``task.workers`` trainers run DiLoCo with
 the demo's settings for ``task.windows`` windows of ``task.inner_steps`` steps: 4-bit (int4)
 updates, the default robust rule, each window's aggregate rounded to 4 bits (what trainers
-download),
-outer Nesterov lr 1.0 momentum 0.5, and the workload's inner AdamW at a rate that decays
-along a cosine to a tenth over the run, as the DiLoCo recipe's inner schedule does (the DDP
-ranks keep the workload's constant rate). Each node runs in its host's network namespace
+download), outer Nesterov lr 1.0 momentum 0.5 -- or, with ``task.sparse``, the sparse recipe
+(:func:`sparse_recipe`) -- and the workload's inner AdamW at a rate that decays along a
+cosine to a tenth over the run, as the DiLoCo recipe's inner schedule does (the DDP ranks
+keep the workload's constant rate). Each node runs in its host's network namespace
 when the placement is a lab (serving on its lab address; trainers, as in the demo, serve
 nothing and push their updates), else on loopback.
 
@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Final
 
 from p2ptrain.bench.convergence_task import Placement, Task
 from p2ptrain.errors import LocalError
@@ -76,6 +77,33 @@ class NetworkRun:
         return self.workdir / "seed"
 
 
+DENSE_RECIPE: Final[dict[str, Any]] = {
+    "outer_lr": float(DEMO_DEFAULTS["outer_lr"]),
+    "outer_momentum": float(DEMO_DEFAULTS["outer_momentum"]),
+    "aggregate_precision": DEMO_AGGREGATE_PRECISION,
+    "codec": DEMO_CODEC,
+}
+"""The demo's updates: dense int4 up and down, outer Nesterov."""
+
+#: Windows of dense int4 updates before the sparse ones start.
+SPARSE_WARM_UP = 4
+
+
+def sparse_recipe(fraction: float) -> dict[str, Any]:
+    """SparseLoCo's recipe at ``fraction``: chunked top-k updates after a dense warm-up,
+    each coordinate averaged over its senders, the error feedback in place of outer momentum
+    (plain SGD at lr 1), the aggregate sent as bf16 (sparse)."""
+    return {
+        "outer": "sgd",
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "aggregate_precision": "bf16",
+        "codec": "sparseloco",
+        "codec_config": {"fraction": fraction, "dense_windows": SPARSE_WARM_UP},
+        "rule": "contributor_mean",
+    }
+
+
 def run_network(
     task: Task,
     workdir: Path,
@@ -104,12 +132,9 @@ def run_network(
         proposal_s=PROPOSAL_S,
         min_updates=max(1, task.workers // 2),
         max_updates=task.workers,
-        outer_lr=float(DEMO_DEFAULTS["outer_lr"]),
-        outer_momentum=float(DEMO_DEFAULTS["outer_momentum"]),
         inner_lr=task.lr,
         inner_schedule=demo_inner_schedule(task.schedule_windows or task.windows),
-        aggregate_precision=DEMO_AGGREGATE_PRECISION,
-        codec=DEMO_CODEC,
+        **(sparse_recipe(task.sparse) if task.sparse else DENSE_RECIPE),
         study="bench",
         name="convergence",
         staleness=task.staleness,

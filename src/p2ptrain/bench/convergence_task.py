@@ -69,6 +69,10 @@ class Task:
     #: to target past the reference budget keeps the reference run's schedule, then its
     #: floor.
     schedule_windows: int = 0
+    #: Our network's updates: 0 for the demo's dense int4; a fraction (e.g. 0.02) for the
+    #: sparse recipe (:data:`SPARSE_RECIPE`: ``sparseloco`` of that fraction with a dense
+    #: warm-up, ``contributor_mean``, outer SGD at lr 1, bf16 aggregates).
+    sparse: float = 0.0
 
     @property
     def steps(self) -> int:

@@ -341,6 +341,15 @@ def _add_convergence(sub: Any) -> None:
         f"certified (default {staleness})",
     )
     convergence.add_argument(
+        "--sparse",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="our network sends sparse updates of this fraction of each tensor, SparseLoCo's "
+        "recipe (sparseloco after a 4-window dense warm-up, contributor_mean, outer SGD at "
+        "lr 1, bf16 aggregates); 0, the default, sends the demo's dense int4",
+    )
+    convergence.add_argument(
         "--systems",
         default="ddp,p2ptrain,hivemind",
         help="which to run, comma-separated (default ddp,p2ptrain,hivemind)",
@@ -378,12 +387,15 @@ def run_convergence_bench(args: argparse.Namespace) -> int:
         raise LocalError(f"--cap-factor must be 1 to 20, got {args.cap_factor}")
     if not 0 <= args.staleness <= MAX_STALENESS:
         raise LocalError(f"--staleness must be 0 to {MAX_STALENESS}, got {args.staleness}")
+    if not 0.0 <= args.sparse <= 0.5:
+        raise LocalError(f"--sparse must be a fraction from 0 (dense) to 0.5, got {args.sparse}")
     settings = ConvergenceSettings(
         task=Task(
             workers=args.trainers,
             windows=args.windows,
             inner_steps=args.inner_steps,
             staleness=args.staleness,
+            sparse=args.sparse,
         ),
         link_mbit=links[0],
         netns=not args.no_netns,

@@ -145,6 +145,9 @@ def experiment_toml(
     inner_schedule: Mapping[str, Any] | None = None,
     aggregate_precision: str = "fp32",
     codec: str = "int8",
+    codec_config: Mapping[str, float] | None = None,
+    rule: str | None = None,
+    outer: str = "nesterov",
     study: str = "demo",
     name: str = "shakespeare",
     staleness: int = 0,
@@ -152,7 +155,9 @@ def experiment_toml(
     """An experiment definition for a registered workload (the seed fills in the dataset,
     schema hash, genesis weights and lease size). ``inner_schedule``: the inner learning
     rate's schedule keys of ``[inner_optimizer]`` (``schedule``, ``decay_windows``, ...);
-    ``aggregate_precision``: ``aggregation.precision``; ``codec``: the update codec."""
+    ``aggregate_precision``: ``aggregation.precision``; ``codec``: the update codec, with
+    ``codec_config`` its settings; ``rule``: the aggregation rule (None: the manifest's
+    default); ``outer``: ``nesterov`` or ``sgd`` (then ``outer_momentum`` must be 0)."""
     config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in workload["config"].items())
     schedule = [f"{k} = {json.dumps(v)}" for k, v in (inner_schedule or {}).items()]
     lines = [
@@ -173,7 +178,7 @@ def experiment_toml(
         *schedule,
         "",
         "[outer_optimizer]",
-        'name = "nesterov"',
+        f'name = "{outer}"',
         f"lr = {outer_lr!r}",
         f"momentum = {outer_momentum!r}",
         "",
@@ -186,9 +191,15 @@ def experiment_toml(
         "",
         "[aggregation]",
         f'precision = "{aggregate_precision}"',
+        *([] if rule is None else [f'rule = "{rule}"']),
         "",
         "[codec]",
         f'name = "{codec}"',
+        *(
+            []
+            if not codec_config
+            else ["config = { " + ", ".join(f"{k} = {v!r}" for k, v in codec_config.items()) + " }"]
+        ),
         "",
     ]
     return "\n".join(lines)
