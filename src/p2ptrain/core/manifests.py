@@ -18,7 +18,7 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: What each protocol version changed (said when a peer or a data directory speaks another).
 VERSION_CHANGES = {
     2: "leases changed",
@@ -26,6 +26,7 @@ VERSION_CHANGES = {
     4: "inner learning-rate schedules, rounded aggregates, int4 and int2 codecs",
     5: "rejection and quarantine reasons are codes, not English",
     6: "validators vote in rounds (prevote, then commit); certificates name their round",
+    7: "gossip passes ids on (have, want) and sends each body once; nodes say what they skip",
 }
 
 ADMISSION_POLICIES = ("open", "certificate")

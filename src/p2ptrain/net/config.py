@@ -53,6 +53,15 @@ class NetConfig:
     #: Seen-set for gossip dedup: entries kept and their age limit.
     seen_entries: int = 1_000_000
     seen_ttl_s: float = 600.0
+    #: Gossip bodies kept to answer neighbours that ask for them (``Want``), in bytes, and
+    #: how long a node waits for a body it asked for before it asks the next neighbour
+    #: that announced it.
+    body_cache_bytes: int = 64 << 20
+    #: Kinds of gossip message this node has no use for: its neighbours send it neither
+    #: their bodies nor their ids, and it relays none (a trainer skips the consensus
+    #: traffic; it still publishes its own updates, to the neighbours that take them).
+    gossip_skip: tuple[str, ...] = ()
+    want_timeout_s: float = 2.0
     #: Strikes against a peer before it is banned, and for how long. Strikes count only
     #: proven misbehaviour (never a transport fault) and decay: one is forgiven every
     #: ``strike_decay_s`` seconds.
@@ -98,6 +107,8 @@ class NetConfig:
         _check("send_queue_frames", self.send_queue_frames, 16, 1 << 24)
         _check("seen_entries", self.seen_entries, 1024, 1 << 28)
         _check("seen_ttl_s", self.seen_ttl_s, 1, 86_400)
+        _check("body_cache_bytes", self.body_cache_bytes, self.max_frame_bytes, 1 << 40)
+        _check("want_timeout_s", self.want_timeout_s, 0.01, 600)
         _check("strikes_to_ban", self.strikes_to_ban, 1, 1_000_000)
         _check("ban_s", self.ban_s, 0, 86_400 * 365)
         _check("connect_timeout_s", self.connect_timeout_s, 0.01, 600)

@@ -62,6 +62,8 @@ class PeerConnection:
         self.outbound = outbound
         self.remote = remote
         self.topics: frozenset[str] = frozenset()
+        #: Kinds of gossip the peer said it has no use for.
+        self.skip: frozenset[str] = frozenset()
         self._config = config
         self._queue: deque[bytes] = deque()
         self._queued_bytes = 0

@@ -43,10 +43,12 @@ from p2ptrain.net.tls import SelfSignedCertificate
 from p2ptrain.net.wire import (
     Bye,
     Gossip,
+    Have,
     RelayChunk,
     RelayHead,
     RelayRequest,
     Subscribe,
+    Want,
     decode_frame,
     encode_frame,
 )
@@ -514,7 +516,7 @@ class NetNode:
     ) -> None:
         async for data in connection.frames():
             frame = decode_frame(data, max_bytes=self.config.max_frame_bytes)
-            if isinstance(frame, Gossip | Subscribe):
+            if isinstance(frame, Gossip | Subscribe | Have | Want):
                 self._gossip_in += len(data)
                 self.gossip.receive(connection, frame)
             elif isinstance(frame, RelayRequest):

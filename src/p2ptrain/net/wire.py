@@ -19,23 +19,31 @@ __all__ = [
     "Bye",
     "Frame",
     "Gossip",
+    "Have",
     "RelayChunk",
     "RelayHead",
     "RelayRequest",
     "Subscribe",
+    "Want",
     "decode_frame",
     "encode_frame",
 ]
 
 MAX_TOPICS = 64
+#: Message ids in one ``Have`` or ``Want`` frame, at most.
+MAX_IDS = 1024
+#: Bytes of a message id: a prefix of the SHA-256 of the message's ``data``.
+ID_BYTES = 16
 MAX_RELAY_HEADERS = 16
 _TOPIC = re.compile(r"[a-z]{1,16}/[0-9a-f]{64}")
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag="sub", forbid_unknown_fields=True):
-    """The topics the sender wants gossip for (replaces what it said before)."""
+    """The topics the sender wants gossip for (replaces what it said before), and the kinds
+    of message it has no use for: nobody sends it those, neither bodies nor ids."""
 
     topics: list[str]
+    skip: list[str] = []
 
 
 class Gossip(msgspec.Struct, frozen=True, tag="gos", forbid_unknown_fields=True):
@@ -44,6 +52,20 @@ class Gossip(msgspec.Struct, frozen=True, tag="gos", forbid_unknown_fields=True)
     topic: str
     kind: str
     data: bytes
+
+
+class Have(msgspec.Struct, frozen=True, tag="hav", forbid_unknown_fields=True):
+    """Messages the sender holds and accepted, by id (16 bytes of the SHA-256 of their
+    ``data``): a
+    neighbour that lacks one asks for it with ``Want``."""
+
+    ids: list[bytes]
+
+
+class Want(msgspec.Struct, frozen=True, tag="wnt", forbid_unknown_fields=True):
+    """The sender asks for the bodies (``Gossip`` frames) of messages announced to it."""
+
+    ids: list[bytes]
 
 
 class RelayRequest(msgspec.Struct, frozen=True, tag="rrq", forbid_unknown_fields=True):
@@ -73,7 +95,7 @@ class Bye(msgspec.Struct, frozen=True, tag="bye", forbid_unknown_fields=True):
     reason: str
 
 
-Frame = Subscribe | Gossip | RelayRequest | RelayHead | RelayChunk | Bye
+Frame = Subscribe | Gossip | Have | Want | RelayRequest | RelayHead | RelayChunk | Bye
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)
@@ -104,9 +126,15 @@ def _check(frame: Frame) -> None:
     if isinstance(frame, Subscribe):
         if len(frame.topics) > MAX_TOPICS or not all(valid_topic(t) for t in frame.topics):
             raise ProtocolViolation(f"subscribe frame: at most {MAX_TOPICS} well-formed topics")
+        if len(frame.skip) > MAX_TOPICS or any(len(k) > 32 for k in frame.skip):
+            raise ProtocolViolation(f"subscribe frame: at most {MAX_TOPICS} kinds to skip")
     elif isinstance(frame, Gossip):
         if not valid_topic(frame.topic) or len(frame.kind) > 32:
             raise ProtocolViolation("gossip frame: malformed topic or kind")
+    elif isinstance(frame, Have | Want):
+        if len(frame.ids) > MAX_IDS or any(len(i) != ID_BYTES for i in frame.ids):
+            name = "have" if isinstance(frame, Have) else "want"
+            raise ProtocolViolation(f"{name} frame: at most {MAX_IDS} ids of {ID_BYTES} bytes each")
     elif isinstance(frame, RelayRequest):
         if frame.method not in ("GET", "HEAD") or len(frame.path) > 512:
             raise ProtocolViolation("relay request: only GET/HEAD of a short path")

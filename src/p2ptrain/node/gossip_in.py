@@ -23,9 +23,19 @@ from p2ptrain.node.persist import METRICS_KIND
 from p2ptrain.node.reports import ReportKeeper
 from p2ptrain.protocol.intake import IntakeRules
 
-__all__ = ["GossipIn"]
+__all__ = ["GossipIn", "gossip_skip"]
 
 _EXPERIMENT_KINDS = ("update", "proposal", "attestation", METRICS_KIND, CERTIFICATE_KIND)
+#: What a node that only trains has no use for: the window's consensus traffic. It follows
+#: heads by their certificates; its own updates go out to the neighbours that take them
+#: (every seed it dials does), and whether a proposal named one it learns from the next
+#: head (a trainer whose window is still open at its deadline sends its update again).
+_TRAINER_SKIPS = ("attestation", "proposal", "update")
+
+
+def gossip_skip(roles: Sequence[str]) -> tuple[str, ...]:
+    """The gossip kinds a node of ``roles`` asks its neighbours not to send it."""
+    return _TRAINER_SKIPS if set(roles) == {"trainer"} else ()
 
 
 class GossipIn:
@@ -58,6 +68,11 @@ class GossipIn:
             return f"{message.kind!r} does not travel on an experiment topic"
         record = message.record
         if isinstance(record, CertifiedLink):
+            held = self.follower.chain.at(record.head.height)
+            if held is not None and held.head_id == record.certificate.head_id:
+                # another quorum's certificate of a head we hold certified: it tells nobody
+                # anything, so it goes no further (a node lacking the head got ours)
+                return Refusal("this head is certified here already")
             verdict = record.check(self.manifest, self.experiment_id)
             return None if verdict else f"bad certificate: {verdict.reason}"
         admission = self.intake.judge(record, self.follower.chain.height + 1)

@@ -35,7 +35,7 @@ from p2ptrain.node.admission import keep_revocation, kept_revocations, node_cert
 from p2ptrain.node.adoption import ChainKeeper
 from p2ptrain.node.collector import BlobCollector
 from p2ptrain.node.evaluator import HeadEvaluator
-from p2ptrain.node.gossip_in import GossipIn
+from p2ptrain.node.gossip_in import GossipIn, gossip_skip
 from p2ptrain.node.persist import NodeStore
 from p2ptrain.node.renewal import renewal_for
 from p2ptrain.node.reports import ReportKeeper
@@ -252,6 +252,7 @@ class Node:
             # a restarted node keeps its address when it can (seeds above all: every
             # peer's bootstrap names it)
             preferred_port=store.listen_port() if s.host is not None else 0,
+            gossip_skip=gossip_skip(s.roles),
         )
         network = self.network.record
         admission = node_certificate(network, self.identity, s.data_dir, s.roles, s.certificate)

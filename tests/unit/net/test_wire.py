@@ -13,15 +13,19 @@ from hypothesis import strategies as st
 
 from p2ptrain.errors import ProtocolViolation
 from p2ptrain.net.wire import (
+    ID_BYTES,
+    MAX_IDS,
     MAX_RELAY_HEADERS,
     MAX_TOPICS,
     Bye,
     Frame,
     Gossip,
+    Have,
     RelayChunk,
     RelayHead,
     RelayRequest,
     Subscribe,
+    Want,
     decode_frame,
     encode_frame,
     valid_topic,
@@ -31,11 +35,15 @@ from tests.support.builders import h
 LIMIT = 1 << 20
 NET_TOPIC = "net/" + h("network")
 EXP_TOPIC = "exp/" + h("experiment")
-FRAME_TYPES = (Subscribe, Gossip, RelayRequest, RelayHead, RelayChunk, Bye)
+FRAME_TYPES = (Subscribe, Gossip, Have, Want, RelayRequest, RelayHead, RelayChunk, Bye)
 
 FRAMES: list[Frame] = [
     Subscribe([NET_TOPIC, EXP_TOPIC]),
     Subscribe([]),
+    Subscribe([EXP_TOPIC], ["attestation", "proposal"]),
+    Have([b"\x01" * ID_BYTES, b"\x02" * ID_BYTES]),
+    Want([b"\x03" * ID_BYTES]),
+    Want([]),
     Gossip(NET_TOPIC, "peer", b"\x00\x01signed envelope"),
     Gossip(EXP_TOPIC, "certificate", b""),
     RelayRequest(7, "GET", "/v1/blobs/" + h("blob"), "bytes=0-99"),
@@ -107,8 +115,13 @@ def test_valid_topic(topic: str, ok: bool) -> None:
         raw(type="sub", topics=["net/zz"]),
         raw(type="sub", topics=[NET_TOPIC, "exp/" + "g" * 64]),
         raw(type="sub", topics=[f"t/{i:064x}" for i in range(MAX_TOPICS + 1)]),
+        raw(type="sub", topics=[], skip=["k" * 33]),
+        raw(type="sub", topics=[], skip=["k"] * (MAX_TOPICS + 1)),
         raw(type="gos", topic="net", kind="peer", data=b""),
         raw(type="gos", topic=NET_TOPIC, kind="k" * 33, data=b""),
+        raw(type="hav", ids=[b"\x01" * (ID_BYTES + 1)]),
+        raw(type="hav", ids=[b"\x01" * ID_BYTES] * (MAX_IDS + 1)),
+        raw(type="wnt", ids=[b""]),
         raw(type="rrq", request_id=1, method="POST", path="/v1/blobs"),
         raw(type="rrq", request_id=1, method="get", path="/v1/peers"),
         raw(type="rrq", request_id=1, method="GET", path="/" + "p" * 512),
@@ -124,8 +137,13 @@ def test_valid_topic(topic: str, ok: bool) -> None:
         "sub-bad-topic",
         "sub-one-bad-topic",
         "sub-too-many-topics",
+        "sub-long-skip",
+        "sub-too-many-skips",
         "gos-bad-topic",
         "gos-long-kind",
+        "hav-long-id",
+        "hav-too-many-ids",
+        "wnt-short-id",
         "rrq-post",
         "rrq-lowercase-method",
         "rrq-long-path",
@@ -148,6 +166,7 @@ def test_malformed_frames_are_protocol_violations(data: bytes) -> None:
     [
         raw(type="sub", topics=[f"t/{i:064x}" for i in range(MAX_TOPICS)]),
         raw(type="gos", topic=NET_TOPIC, kind="k" * 32, data=b""),
+        raw(type="hav", ids=[b"\x01" * ID_BYTES] * MAX_IDS),
         raw(type="rrq", request_id=1, method="GET", path="/" + "p" * 511, range="b" * 128),
         raw(type="rhd", request_id=1, status=100, headers={}),
         raw(type="rhd", request_id=1, status=599, headers={}),
@@ -159,7 +178,16 @@ def test_malformed_frames_are_protocol_violations(data: bytes) -> None:
         ),
         raw(type="bye", reason="r" * 512),
     ],
-    ids=["sub-64", "gos-kind-32", "rrq-limits", "rhd-100", "rhd-599", "rhd-16-long", "bye-512"],
+    ids=[
+        "sub-64",
+        "gos-kind-32",
+        "hav-1024",
+        "rrq-limits",
+        "rhd-100",
+        "rhd-599",
+        "rhd-16-long",
+        "bye-512",
+    ],
 )
 def test_frames_at_the_limits_are_accepted(data: bytes) -> None:
     assert isinstance(decode_frame(data, max_bytes=LIMIT), FRAME_TYPES)
