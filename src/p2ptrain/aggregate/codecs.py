@@ -50,7 +50,8 @@ sparseloco  ``scale``             ``(1,)``                                      
    last may be shorter); positions within 65536-element chunks, minus 32768; ``counts`` says
    how many fall in each chunk; ``codes`` packs a ``bits``-bit code (sign, level) per kept
    value. Tensors with fewer than two dimensions go as ``int8`` (``dense_vectors = 1``), and
-   the windows of the dense warm-up (``dense_windows``) as ``int4`` (:func:`codec_at`).
+   the windows of the dense warm-up (``dense_windows``) as ``int4`` (:func:`codec_at`),
+   their aggregate rounded to ``int4`` too (:func:`precision_at`).
 
 The codec and the schema fix every part's name, shape and dtype, so an honest blob's layout
 is fully determined and a decoder checks it exactly. The part values are specified in
@@ -94,6 +95,7 @@ __all__ = [
     "HEADER_TENSOR",
     "MAX_ABS_VALUE",
     "WARMUP_CODEC",
+    "WARMUP_PRECISION",
     "WIRE_FORMAT",
     "EncoderStatistics",
     "ParameterCodec",
@@ -105,6 +107,7 @@ __all__ = [
     "make_encoder",
     "max_update_bytes",
     "max_update_bytes_any",
+    "precision_at",
 ]
 
 HEADER_TENSOR: Final = "__codec__"
@@ -220,6 +223,9 @@ def codec_for(spec: CodecSpec) -> ParameterCodec:
 WARMUP_CODEC: Final = CodecSpec(name="int4")
 """The codec of a ``sparseloco`` experiment's dense warm-up windows."""
 
+WARMUP_PRECISION: Final = "int4"
+"""The ``aggregation.precision`` of a ``sparseloco`` experiment's dense warm-up windows."""
+
 
 def codec_at(spec: CodecSpec, window: int) -> CodecSpec:
     """The codec updates of ``window`` use: ``spec``, except in the dense warm-up of a
@@ -228,6 +234,16 @@ def codec_at(spec: CodecSpec, window: int) -> CodecSpec:
     if isinstance(codec, SparseLoCoCodec) and window <= codec.dense_windows:
         return WARMUP_CODEC
     return spec
+
+
+def precision_at(spec: CodecSpec, precision: str, window: int) -> str:
+    """The precision ``window``'s aggregate is rounded to and stored at: ``precision``
+    (``aggregation.precision``), except in the dense warm-up of a ``sparseloco`` codec,
+    which is the dense recipe's: int4 updates make a dense aggregate, rounded to
+    :data:`WARMUP_PRECISION` (a quarter of a dense bf16 aggregate's bytes)."""
+    if codec_at(spec, window) is WARMUP_CODEC and codec_for(spec).name != WARMUP_CODEC.name:
+        return WARMUP_PRECISION
+    return precision
 
 
 def max_update_bytes_any(spec: CodecSpec, schema: Iterable[TensorSpec]) -> int:

@@ -429,7 +429,8 @@ KEYS: dict[str, KeyDoc] = {
         "default 4); `sparseloco` also takes `bits` (2 or 4, default 2), `chunk` (top-k "
         "within chunks of this many values, default 4096; 0 the whole tensor), "
         "`dense_vectors` (1, the default: norms and biases go as `int8`), `error_decay` "
-        "(default 0.95) and `dense_windows` (the first windows go as `int4`, default 0); "
+        "(default 0.95) and `dense_windows` (the first windows go as `int4`, and their "
+        "aggregate too, default 0); "
         "it is meant for outer `sgd` at lr 1, the `contributor_mean` rule and `bf16` "
         "aggregates.",
         values=_CONFIG,

@@ -26,7 +26,10 @@ VERSION_CHANGES = {
     4: "inner learning-rate schedules, rounded aggregates, int4 and int2 codecs",
     5: "rejection and quarantine reasons are codes, not English",
     6: "validators vote in rounds (prevote, then commit); certificates name their round",
-    7: "gossip passes ids on (have, want) and sends each body once; nodes say what they skip",
+    7: (
+        "gossip passes ids on (have, want) and sends each body once; nodes say what they "
+        "skip; a sparse codec's warm-up aggregates are int4"
+    ),
 }
 
 ADMISSION_POLICIES = ("open", "certificate")

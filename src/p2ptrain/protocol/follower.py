@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from p2ptrain.aggregate.aggregate_blob import decode_aggregate
+from p2ptrain.aggregate.codecs import precision_at
 from p2ptrain.core.certificate import QuorumCertificate
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.identity import Identity, peer_id_of
@@ -215,7 +216,9 @@ class Follower:
                 aggregate_blob,
                 self._schema,
                 max_bytes=MAX_STATE_BYTES,
-                precision=self.manifest.aggregation.precision,
+                precision=precision_at(
+                    self.manifest.codec, self.manifest.aggregation.precision, head.height
+                ),
             )
         except ProtocolViolation as error:
             return [

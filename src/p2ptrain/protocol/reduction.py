@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from p2ptrain.aggregate.aggregate_blob import settle_aggregate, settles_unchanged
-from p2ptrain.aggregate.codecs import codec_at, max_update_bytes
+from p2ptrain.aggregate.codecs import codec_at, max_update_bytes, precision_at
 from p2ptrain.aggregate.exact import unflatten
 from p2ptrain.aggregate.outer import OuterOptimizer, make_outer_optimizer
 from p2ptrain.aggregate.rules import RankedRule, StreamingRule, make_rule
@@ -460,7 +460,7 @@ def reduce_window(
         return without_head(f"aggregation produced nothing: {result.reason}")
     rule_reason = result.reason
     aggregate = unflatten(result.aggregate, base.weights, copy=False)
-    precision = manifest.aggregation.precision
+    precision = precision_at(manifest.codec, manifest.aggregation.precision, window)
     del result, outcome  # in memory, the aggregate's values are in its blob now
     if spool is not None and settles_unchanged(precision):
         # the outer step applies the aggregate's own values: its blob is written (and

@@ -25,6 +25,7 @@ from p2ptrain.aggregate.codecs import (
     make_encoder,
     max_update_bytes,
     max_update_bytes_any,
+    precision_at,
 )
 from p2ptrain.core.manifests import CodecSpec
 from p2ptrain.core.tensors import decode_state_dict, encode_state_dict, schema_of
@@ -645,6 +646,13 @@ def test_the_warm_up_windows_use_dense_int4() -> None:
     assert max_update_bytes_any(spec, schema) == max(
         max_update_bytes(spec, schema), max_update_bytes(WARMUP_CODEC, schema)
     )
+
+
+def test_the_warm_up_aggregates_are_rounded_to_int4() -> None:
+    spec = published(dense_windows=2)
+    assert [precision_at(spec, "bf16", w) for w in (1, 2, 3)] == ["int4", "int4", "bf16"]
+    assert precision_at(published(), "bf16", 1) == "bf16"  # no warm-up
+    assert precision_at(CodecSpec(name="int4"), "fp32", 1) == "fp32"  # not a sparse codec
 
 
 def test_a_trainer_switches_encoders_after_the_warm_up() -> None:

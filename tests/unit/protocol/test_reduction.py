@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from p2ptrain.aggregate.aggregate_blob import encode_aggregate
+from p2ptrain.aggregate.aggregate_blob import decode_aggregate, encode_aggregate
 from p2ptrain.aggregate.codecs import make_encoder
 from p2ptrain.core.encoding import sha256_hex
 from p2ptrain.core.envelope import seal
@@ -32,7 +32,7 @@ from p2ptrain.core.reasons import Code, Reason
 from p2ptrain.core.records import Head, QuarantineEntry, Update
 from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.core.tensors import encode_state_dict, schema_of
-from p2ptrain.errors import LocalError
+from p2ptrain.errors import LocalError, ProtocolViolation
 from p2ptrain.protocol.chain import genesis_head
 from p2ptrain.protocol.leases import LeaseBook, lease_for
 from p2ptrain.protocol.reduction import (
@@ -557,11 +557,14 @@ def test_a_reduction_spooled_to_files_gives_the_same_bytes(
 
 def test_the_dense_warm_up_window_takes_int4_updates_and_refuses_sparse_ones() -> None:
     """Window 1 of a ``sparseloco`` experiment with ``dense_windows = 1`` is a warm-up
-    window: its updates are int4 blobs named ``int4``; a sparse update there is refused
-    for its codec, counted against its trainer."""
+    window: its updates are int4 blobs named ``int4``, and its aggregate is stored at int4
+    whatever ``aggregation.precision`` says; a sparse update there is refused for its
+    codec, counted against its trainer."""
     sparse = CodecSpec(name="sparseloco", config={"dense_windows": 1})
     manifest = msgspec.structs.replace(
-        MANIFEST, codec=sparse, aggregation=AggregationSpec(rule="contributor_mean")
+        MANIFEST,
+        codec=sparse,
+        aggregation=AggregationSpec(rule="contributor_mean", precision="bf16"),
     )
     base = BaseState(genesis_head(manifest), genesis_head(manifest).id, base_weights())
     warm = [
@@ -589,3 +592,8 @@ def test_the_dense_warm_up_window_takes_int4_updates_and_refuses_sparse_ones() -
     assert rejection_reasons(result) == {
         too_early.update_id: "codec 'sparseloco', the experiment uses 'int4' in this window"
     }
+    assert result.aggregate_blob is not None
+    blob = bytes(result.aggregate_blob)
+    decode_aggregate(blob, SCHEMA, max_bytes=len(blob), precision="int4")
+    with pytest.raises(ProtocolViolation):
+        decode_aggregate(blob, SCHEMA, max_bytes=len(blob), precision="bf16")
