@@ -160,6 +160,9 @@ def run_network(
         left_s = timeout_s - (time.time() - run.launched)
         _follow(network, run, task.windows, left_s, stop=stop, certified=certified)
     finally:
+        # the trainers first: one still adopting the last head when the nodes that serve
+        # its aggregate go would fall back to downloading the whole state
+        network.stop(trainers)
         network.stop()
         run.ended = time.time()
     return run

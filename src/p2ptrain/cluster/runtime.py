@@ -75,6 +75,21 @@ ROUND_S = 0.25  # the leader's forming loop looks again at least this often
 WATCH_S = 2.0  # how often a training member probes the others
 
 
+#: How long a member that gives up early waits for its model build to finish.
+_BUILD_WAIT_S = 300.0
+
+
+async def _built(build: asyncio.Future[Generations]) -> None:
+    """Let the build thread finish before the member returns: a member refused (or asked
+    to stop) while its thread is still inside torch would otherwise exit under it, and
+    the interpreter aborts at exit ("terminate called without an active exception")."""
+    if not build.done():
+        log.info("waiting for the model build to finish before leaving")
+        await asyncio.wait({build}, timeout=_BUILD_WAIT_S)
+    if build.done() and not build.cancelled():
+        build.exception()  # retrieved: its failure, if any, was said or is moot now
+
+
 class ClusterRefused(LocalError):
     """The cluster refused this member (another secret, or another workload)."""
 
@@ -183,12 +198,15 @@ class ClusterMember:
         self._task = asyncio.current_task()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.leave)
+        build: asyncio.Future[Generations] | None = None
         try:
             if discovery is not None:
                 await discovery.start()
             build = start_in_thread("build", self._build, self.settings, self.host)
             return await self._lifecycle(build)
         finally:
+            if build is not None:
+                await _built(build)
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
             if discovery is not None:
