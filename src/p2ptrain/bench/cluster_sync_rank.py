@@ -54,6 +54,7 @@ progress goes to stderr. Failures print what went wrong to stderr and exit with 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -331,6 +332,7 @@ def measure(
         unsupported: dict[str, str] = {}
         states: dict[str, Any] = {}
         buckets: dict[str, float | None] = {}
+        ddp: DistributedDataParallel | None = None
         for hook in hooks:
             # A model per hook: DDP wraps its parameters for good.
             buckets[hook] = hook_bucket_mb(hook, bucket_mb, params)
@@ -350,19 +352,25 @@ def measure(
         _note(f"timing {', '.join(m.name for m in methods)}: {warmup} + {repeats} rounds")
         seconds = _medians(methods, repeats=repeats, warmup=warmup)
         _note("timed")
+        figures = {
+            hook: HookFigures(
+                sync_seconds=seconds[hook] - seconds[f"{hook}/no_sync"],
+                bucket_mb=buckets[hook],
+                backward_seconds=seconds[hook],
+                no_sync_seconds=seconds[f"{hook}/no_sync"],
+                compress_rate=None if state is None else float(state.compression_stats()[0]),
+            )
+            for hook, state in states.items()
+        }
+        # DDP's reducers and the hooks' states hold the group: they go before it does
+        # (torch's teardown aborted a rank now and then with them still alive)
+        methods.clear()
+        states.clear()
+        ddp = None
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    figures = {
-        hook: HookFigures(
-            sync_seconds=seconds[hook] - seconds[f"{hook}/no_sync"],
-            bucket_mb=buckets[hook],
-            backward_seconds=seconds[hook],
-            no_sync_seconds=seconds[f"{hook}/no_sync"],
-            compress_rate=None if state is None else float(state.compression_stats()[0]),
-        )
-        for hook, state in states.items()
-    }
     return RankFigures(
         rank=rank,
         params=params,
