@@ -99,6 +99,9 @@ def main() -> None:
         group = dist.group.WORLD  # inside a pod: the group p2ptrain gives your code
         assert group is not None
         train(group)
+        # every rank is done with the group before either tears it down: gloo aborts a
+        # rank whose peer left mid-collective
+        dist.barrier(group)
     finally:
         dist.destroy_process_group()
 
