@@ -115,6 +115,7 @@ def _manifest(
             schedule="constant" if args.min_lr_ratio is None else "cosine",
             decay_windows=args.decay_windows or args.windows,
             min_lr_ratio=1.0 if args.min_lr_ratio is None else args.min_lr_ratio,
+            warmup_windows=args.warmup_windows,
         ),
         inner_steps=args.inner_steps,
         outer_optimizer=OuterOptimizerSpec(
@@ -357,6 +358,12 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         help="the cosine's length in windows (default --windows); past it the inner lr "
         "stays at its floor, as a run to a target goes on past the reference run",
+    )
+    parser.add_argument(
+        "--warmup-windows",
+        type=int,
+        default=0,
+        help="the inner lr rises linearly to its rate over this many windows first",
     )
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP replay")
     parser.add_argument("--rule", default="trimmed_mean")

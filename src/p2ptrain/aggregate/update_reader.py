@@ -174,6 +174,11 @@ class UpdateVector:
         self._whole: tuple[str, torch.Tensor] | None = None
         self._checked = False
         self._memory: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        # keep_decoded(): the values decoded so far (positions 0 .. _kept_upto), and
+        # whether every decode that filled them looked for non-finite values
+        self._kept: torch.Tensor | None = None
+        self._kept_upto = 0
+        self._kept_checked = True
 
     def int8_codes(self) -> Int8Codes | None:
         """Where its int8 codes and scales lie in memory, for a pass that decodes them in
@@ -238,8 +243,31 @@ class UpdateVector:
         a caller that needs finite values checks them itself)."""
         return self._checked
 
+    def keep_decoded(self) -> None:
+        """Keep the values as they are decoded, so that a later pass copies them instead of
+        decoding them again (``numel()`` float32 values of memory: for a reduction whose
+        cohort is small enough to hold whole). Only reads that continue from the first
+        value are kept; any other read decodes as before."""
+        if self._kept is None:
+            self._kept = torch.empty(self._numel, dtype=torch.float32)
+
     def read_into(self, start: int, end: int, out: torch.Tensor) -> None:
         """Decode values ``start .. end`` into ``out`` (float32, ``end - start`` values)."""
+        kept = self._kept
+        if kept is None or start > self._kept_upto:
+            self._decode_into(start, end, out)
+        elif end <= self._kept_upto:
+            out.copy_(kept[start:end])
+            self._checked = self._kept_checked
+        else:  # the span reaches past what is kept: decode the rest, keep it, copy
+            upto = self._kept_upto
+            self._decode_into(upto, end, kept[upto:end])
+            self._kept_checked = self._kept_checked and self._checked
+            self._kept_upto = end
+            out.copy_(kept[start:end])
+            self._checked = self._kept_checked
+
+    def _decode_into(self, start: int, end: int, out: torch.Tensor) -> None:
         self._checked = True  # until a decode that does not look
         first = max(0, bisect.bisect_right(self._starts, start) - 1)
         for parameter in self._parameters[first:]:

@@ -58,6 +58,7 @@ from p2ptrain.protocol.leases import LeaseBook
 from p2ptrain.protocol.quarantine import excluded_until, next_standings
 
 __all__ = [
+    "KEEP_DECODED_BYTES",
     "BaseState",
     "ByteSource",
     "MemoryBytes",
@@ -75,6 +76,10 @@ Tensors = Mapping[str, torch.Tensor]
 _HASH_READ = 1 << 24
 #: Values per slice of a spooled outer step (16 MB of float32 per output).
 _STEP_SLICE = 1 << 22
+#: A cohort whose decoded updates fit in this many bytes (float32) is decoded once: its
+#: later passes (screening's, the rule's) copy the values the first pass decoded. A larger
+#: one streams every pass from the blobs, holding a window of each at a time.
+KEEP_DECODED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +386,9 @@ class _Verdicts:
         # the norms and (on the bet that none is turned down on its norm) the centre
         candidates: list[Checked] = []
         vectors = [vector for _, vector in opened]
+        if sum(vector.numel() for vector in vectors) * 4 <= KEEP_DECODED_BYTES:
+            for vector in vectors:  # the later passes copy what the first one decoded
+                vector.keep_decoded()
         trim = rule.trim_for(len(vectors)) if isinstance(rule, RankedRule) and vectors else None
         ahead = measure_with_centre(vectors, trim)
         centre: Centre | None = None

@@ -62,6 +62,54 @@ def test_every_span_decodes_to_the_bits_of_the_whole_decode(name: str, config: d
         )
 
 
+@pytest.mark.parametrize(("name", "config"), CODECS, ids=[f"{n}{c}" for n, c in CODECS])
+def test_a_vector_that_keeps_its_decoded_values_reads_the_same_bits(
+    name: str, config: dict
+) -> None:
+    """keep_decoded: passes from the first value on keep what they decode and later reads
+    copy it; a read that starts past what is kept decodes as before. Every span is the
+    whole decode's bits either way, and the finite check is the decode's own."""
+    weights = model()
+    schema = schema_of(weights)
+    spec = CodecSpec(name=name, config=config)
+    blob = make_encoder(spec, schema).encode({k: v * 0.01 for k, v in weights.items()})
+    limit = max_update_bytes(spec, schema)
+    whole = flatten(decode_update(blob, spec, schema, max_bytes=limit)).view(torch.int32)
+    plain = UpdateVector(bytes(blob), spec, schema, max_bytes=limit)
+    kept = UpdateVector(bytes(blob), spec, schema, max_bytes=limit)
+    kept.keep_decoded()
+    numel, draw = kept.numel(), random.Random(SEED)
+    ahead = draw.randrange(numel // 2, numel)  # past what is kept: decoded, not kept
+    assert torch.equal(kept[ahead:numel].view(torch.int32), whole[ahead:numel])
+    for _ in range(2):  # the first pass fills what is kept, the second copies it
+        first = 0
+        while first < numel:
+            last = min(numel, first + draw.randrange(1, 20_000))
+            span = kept[first:last].view(torch.int32)
+            assert torch.equal(span, whole[first:last]), f"seed {SEED}: {first}..{last}"
+            plain[first:last]
+            assert kept.checked_finite == plain.checked_finite, f"seed {SEED}: {name}"
+            first = last
+    start = draw.randrange(numel)
+    end = draw.randrange(start, numel + 1)
+    assert torch.equal(kept[start:end].view(torch.int32), whole[start:end])
+
+
+def test_a_kept_vector_refuses_bad_values_on_every_read() -> None:
+    """A span that failed to decode is not kept: reading it again raises again."""
+    weights = {"w": torch.ones(100)}
+    schema = schema_of(weights)
+    spec = CodecSpec(name="int8")
+    limit = max_update_bytes(spec, schema)
+    bad = bytearray(make_encoder(spec, schema).encode({"w": torch.full((100,), 0.5)}))
+    bad[bad.index(bytes([127] * 8)) + 3] = 0x80  # -128
+    vector = UpdateVector(bytes(bad), spec, schema, max_bytes=limit)
+    vector.keep_decoded()
+    for _ in range(2):
+        with pytest.raises(ProtocolViolation, match="-128"):
+            vector[0:100]
+
+
 def test_a_stored_blob_reads_by_range_and_reduces_to_the_same_bits(tmp_path: Path) -> None:
     """Updates of a model longer than one window, read from a blob store's files by range,
     give the same norms and the same aggregate as the decoded tensors in memory."""

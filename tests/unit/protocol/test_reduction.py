@@ -33,6 +33,7 @@ from p2ptrain.core.records import Head, QuarantineEntry, Update
 from p2ptrain.core.spool import SpooledBlob
 from p2ptrain.core.tensors import encode_state_dict, schema_of
 from p2ptrain.errors import LocalError, ProtocolViolation
+from p2ptrain.protocol import reduction
 from p2ptrain.protocol.chain import genesis_head
 from p2ptrain.protocol.leases import LeaseBook, lease_for
 from p2ptrain.protocol.reduction import (
@@ -597,3 +598,21 @@ def test_the_dense_warm_up_window_takes_int4_updates_and_refuses_sparse_ones() -
     decode_aggregate(blob, SCHEMA, max_bytes=len(blob), precision="int4")
     with pytest.raises(ProtocolViolation):
         decode_aggregate(blob, SCHEMA, max_bytes=len(blob), precision="bf16")
+
+
+@pytest.mark.parametrize("case", sorted(REJECTIONS))
+def test_a_cohort_decoded_once_reduces_like_one_streamed_every_pass(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cohort small enough is decoded once and its later passes copy the values; with
+    the budget at 0 every pass decodes the blobs again. Both give the same head, the same
+    rejections and the same bytes."""
+    build, _ = REJECTIONS[case]
+    cohort = [*honest_cohort(), *build()]
+    kept = reduce(cohort)
+    monkeypatch.setattr(reduction, "KEEP_DECODED_BYTES", 0)
+    streamed = reduce(cohort)
+    assert kept.head_id == streamed.head_id is not None
+    assert kept.rejected == streamed.rejected
+    assert kept.weights_blob == streamed.weights_blob
+    assert kept.aggregate_blob == streamed.aggregate_blob
