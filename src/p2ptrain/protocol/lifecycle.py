@@ -91,6 +91,7 @@ class Effect(StrEnum):
     SYNC = "sync"
     RESEND = "resend"
     PROPOSE = "propose"
+    PREPARE = "prepare"
     VOTE = "vote"
     SKIP = "skip"
     STOP = "stop"
@@ -147,6 +148,8 @@ EFFECTS: dict[Effect, str] = {
     Effect.SYNC: "ask peers what the window holds (`SyncWindow`)",
     Effect.RESEND: "send our votes of the round again",
     Effect.PROPOSE: "reduce our cohort and propose its head (then `proposed` or `no_head`)",
+    Effect.PREPARE: "reduce our own cohort ahead of its proposal (kept by cohort: judging a "
+    "proposal that names the same updates takes no time); nothing is sent",
     Effect.VOTE: "prevote the head (our first vote at this height)",
     Effect.SKIP: "the next proposer's slot counts as open",
     Effect.STOP: "the walk ends here",
@@ -205,6 +208,7 @@ _REDUCER: dict[tuple[Phase, Event], Transition] = {
 
 _VALIDATOR: dict[tuple[Phase, Event], Transition] = {
     (_P.OPEN, _E.VOTED): _to(_P.ATTESTED),
+    (_P.CLOSED, _E.ABSENT): _to(_P.CLOSED, _X.PREPARE),
     (_P.CLOSED, _E.PROPOSED): _to(_P.ATTESTED, _X.VOTE),
     (_P.CLOSED, _E.NO_HEAD): _to(_P.CLOSED),
     (_P.CLOSED, _E.VALID): _to(_P.ATTESTED, _X.VOTE),

@@ -13,7 +13,9 @@ and after the deadline walks the proposer slots (:mod:`.proposers`):
   proposal's cohort itself (fetching updates it lacks from the proposer); it attests the
   first whose head, accepted and rejected sets and aggregate all match (its *prevote*, in the
   round the clock says); a proposer caught with a wrong head is reported and, if a reducer,
-  dropped from the pool;
+  dropped from the pool. While an opened slot's proposal is on its way, a validator reduces
+  its own cohort (``PREPARE``): the proposal, when it names that cohort, is judged from the
+  reduction kept, so the proposer's reduction and the validators' run side by side;
 * a validator votes in rounds (:mod:`.ballot`): once q validators prevoted one head in its
   round it commits that head and locks on it; q commits of one round are the certificate.
   Each pass of the proposers' slots is a round, and a validator follows others into a later
@@ -277,6 +279,10 @@ class Participant(ChainRole):
                 actions.append(SyncWindow(height, self._missing_proposals(now)))
             elif effect is Effect.RESEND:
                 actions += self._resend(height)
+            elif effect is Effect.PREPARE:
+                # while the proposer reduces, so do we: its proposal, when it names our
+                # cohort, is judged from the reduction kept here
+                self._reduce(self._cohort())
             elif effect is Effect.VOTE:
                 assert head_id is not None
                 actions += self._vote(now, height, head_id)

@@ -95,7 +95,10 @@ def test_the_roles_differ_only_in_what_follows_a_judgement_their_own_proposal_an
         Event.VOTED,
         Event.ORDER_OVER,
         Event.SYNC_DUE,  # a validator that voted still asks what the window holds
+        Event.ABSENT,  # a validator reduces its own cohort while the proposal is on its way
     }
+    assert validator[(Phase.CLOSED, Event.ABSENT)].effects == (Effect.PREPARE,)
+    assert reducer[(Phase.CLOSED, Event.ABSENT)].effects == ()
     # the close is the same for both, and defined once
     for role in Role:
         for event in (Event.FULL, Event.REPORTED, Event.DEADLINE):
@@ -208,3 +211,24 @@ def test_a_validator_restarted_after_its_vote_is_attested_and_sends_its_votes_ag
     assert isinstance(vote, act.SendAttestation) and vote.again
     assert vote.attestation.record.head_id == lock and vote.attestation.record.round == 1
     assert machine.tick(10.0 + DEADLINE_S + SLOT_S + 1.0) == []  # once per slot
+
+
+def test_a_validator_reduces_its_cohort_while_the_proposal_is_on_its_way() -> None:
+    """PREPARE: at the close, with the proposer's proposal absent, a validator reduces its
+    own cohort; the proposal naming the same updates is judged from that reduction (no
+    second one), and a reducer waiting on an earlier proposer prepares nothing."""
+    reducers = (REDUCER.public_key,)
+    reducer = Participant(MANIFEST, REDUCER, GENESIS, validator=False, reducers=reducers)
+    validator = Participant(MANIFEST, VALIDATOR, GENESIS, validator=True, reducers=reducers)
+    for machine in (reducer, validator):
+        signed, blob = UPDATES[0]
+        assert machine.receive_update(0.0, signed, blob) == []
+    closed = DEADLINE_S + 0.5
+    assert validator.tick(closed) == [] and validator.reductions == 1  # prepared
+    (proposal,) = _of(reducer.tick(closed), act.SendProposal)
+    assert isinstance(proposal, act.SendProposal)
+    said = validator.receive_proposal(closed + 0.1, proposal.proposal)
+    assert _of(said, act.SendAttestation) and validator.reductions == 1
+    for attestation in _of(said, act.SendAttestation):  # its prevote, then its commit
+        assert isinstance(attestation, act.SendAttestation)
+        assert attestation.attestation.record.head_id == proposal.proposal.record.head.id
