@@ -20,9 +20,12 @@ lr (2e-3, 5e-3) did too. The demo runs 24 windows, where the gap is smaller stil
 against 1.853, ratio 1.024, 287x fewer bytes). With the cosine inner schedule and int4
 codes that DDP replays on the same samples too, 24 windows end at 1.887 against 1.807 (ratio
 1.045): the schedule helped DDP more. Outer lr 0.7 to 1.3, momentum 0.5 to 0.9, inner lr 2e-3
-to 5e-3, the mean instead of the trimmed mean, int8 rounding or staleness do not close that
-gap; halving H closes a fifth of it for twice the bytes (docs/benchmarks.md), so the demo
-keeps these settings.
+to 5e-3, the mean instead of the trimmed mean, int8 rounding, staleness or an inner warm-up
+over 2 or 4 windows do not close that gap; more windows of 50 steps do not either (32: ratio
+1.044). Shorter windows do, at the same samples: H = 25 over 48 windows 1.030, H = 20 over
+60 windows 1.026 (docs/benchmarks.md). So the demo runs 60 windows of 20 steps (`make demo`:
+1.8483 against 1.8121, ratio 1.020), for 2.5 times the bytes of H = 50 (205x fewer than DDP
+by formula, against 499x).
 
 Larger models need more windows to come as close: with 16 windows, 416k parameters (2 x 128)
 measured a ratio of 1.061 (1.043 at 24 windows) and 808k (4 x 128, context 32) 1.14, also
