@@ -224,12 +224,22 @@ class PeerServices:
         providers = self.providers(first)
         if not providers:
             raise TransportError(f"nobody to fetch blob {blob_id[:12]} from yet")
+        telemetry = self.telemetry
+        telemetry.blob_kind(blob_id, kind)
+
+        def landed(n: int) -> None:  # counted as it lands: a fetch cut short moved bytes too
+            telemetry.count_bytes("received", kind, n)
+
         result = await self.net.download(
-            blob_id, providers, size=size, on_bad=self._bad, on_fault=self.transport_fault
+            blob_id,
+            providers,
+            size=size,
+            on_bad=self._bad,
+            on_fault=self.transport_fault,
+            on_bytes=landed,
         )
         self.storage.succeeded()
-        moved = sum(result.bytes_by_provider.values())
-        self.telemetry.fetched(blob_id, kind, result.seconds, moved)
+        telemetry.fetched(blob_id, kind, result.seconds)
         return result
 
     async def fetch_blob(

@@ -192,8 +192,11 @@ class Transport(Protocol):
         size: int | None,
         on_bad: ProviderNote,
         on_fault: ProviderNote,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> Downloaded:
         """Fetch ``blob_id`` from ``providers`` into the node's blob keep, verified by its
         hash. Raises :class:`TransportError` when no provider delivered and
-        :class:`ProtocolViolation` when none served the right bytes."""
+        :class:`ProtocolViolation` when none served the right bytes. ``on_bytes(n)`` is
+        called as bytes arrive, so the bytes of a fetch that fails or is cancelled are
+        counted too."""
         ...

@@ -744,6 +744,8 @@ class BlobFetcher:
             def landed(count: int) -> None:
                 self._bytes += count
                 job.received[provider] += count
+                if job.on_progress is not None:
+                    job.on_progress(provider, job.received[provider])
 
             request = RangeRequest(provider, job.blob_id, piece.start, piece.end, plan.size)
             async with streams[provider], self._reader(provider) as reader:

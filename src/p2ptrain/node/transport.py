@@ -4,7 +4,7 @@ multi-provider :class:`~p2ptrain.net.transfer.BlobFetcher` for blobs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from p2ptrain.core.records import PeerRecord
 from p2ptrain.driver.transport import ProviderNote
@@ -78,8 +78,18 @@ class NetTransport:
         size: int | None,
         on_bad: ProviderNote,
         on_fault: ProviderNote,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> FetchResult:
-        return await self._blob_fetcher(on_bad, on_fault).fetch(blob_id, providers, size=size)
+        fetcher = self._blob_fetcher(on_bad, on_fault)
+        if on_bytes is None:
+            return await fetcher.fetch(blob_id, providers, size=size)
+        counted: dict[str, int] = {}
+
+        def progress(address: str, total: int) -> None:  # the fetcher tells running totals
+            on_bytes(total - counted.get(address, 0))
+            counted[address] = total
+
+        return await fetcher.fetch(blob_id, providers, size=size, on_progress=progress)
 
     def _blob_fetcher(self, on_bad: ProviderNote, on_fault: ProviderNote) -> BlobFetcher:
         """One fetcher for the node (it fetches each blob once however many ask), built on

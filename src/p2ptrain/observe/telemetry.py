@@ -131,10 +131,10 @@ class NodeTelemetry:
         key = kind if kind in table else "other"
         table[key] += max(0, n)
 
-    def fetched(self, blob_id: str, kind: str, seconds: float, n: int) -> None:
-        """A blob download finished: its bytes, and the fetch phase of the open window."""
+    def fetched(self, blob_id: str, kind: str, seconds: float) -> None:
+        """A blob download finished: the fetch phase of the open window (its bytes are
+        counted as they land, :meth:`count_bytes`)."""
         self.blob_kind(blob_id, kind)
-        self.count_bytes("received", kind, n)
         self.phase(self._open_window, "fetch", seconds, longest=True)
 
     # -- what happens in a window ---------------------------------------------------------

@@ -284,6 +284,7 @@ class SimTransport:
         size: int | None,
         on_bad: ProviderNote,
         on_fault: ProviderNote,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> _Downloaded:
         """Race ``providers`` for the blob (hedged), each answer checked against its hash."""
         started = self._now()
@@ -303,6 +304,8 @@ class SimTransport:
                 on_fault(address, f"does not hold blob {blob_id[:12]}")
                 return None
             moved[address] = moved.get(address, 0) + len(blob)
+            if on_bytes is not None:
+                on_bytes(len(blob))
             if sha256_hex(blob) != blob_id:
                 proven_bad.append(address)
                 on_bad(address, f"blob {blob_id[:12]} hashed to {sha256_hex(blob)[:12]}")

@@ -194,7 +194,8 @@ def test_bytes_are_filed_by_the_kind_of_blob() -> None:
     telemetry.blob_kind("b" * 64, "aggregate")
     telemetry.blob_bytes("sent", "b" * 64, 300)
     telemetry.blob_bytes("sent", "c" * 64, 7)  # never named: other
-    telemetry.fetched("d" * 64, "shard", 0.5, 1200)
+    telemetry.count_bytes("received", "shard", 1200)
+    telemetry.fetched("d" * 64, "shard", 0.5)  # its bytes were counted as they landed
     telemetry.count_bytes("received", "nonsense", 5)
     assert telemetry.sent["aggregate"] == 300 and telemetry.sent["other"] == 7
     assert telemetry.received["shard"] == 1200 and telemetry.received["other"] == 5
