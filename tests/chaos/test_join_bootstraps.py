@@ -113,6 +113,18 @@ def test_a_first_bootstrap_that_trickles_the_genesis_costs_seconds_not_the_join(
     assert asked_for_blobs > 0, f"no join asked the trickling bootstrap for the genesis; {replay}"
 
 
+def test_a_lone_bootstrap_whose_genesis_download_stalls_once_is_asked_again(
+    seed: Net, tmp_path: Path
+) -> None:
+    """Several nodes joining at once through one slow link: one download stalls, is dropped
+    as too slow, and the join tries that bootstrap again (resuming) instead of giving up."""
+    address, experiment_id = _where(seed)
+    with Relay(address, trickle_blobs=True, trickled=1) as stalling:
+        prepared = _join(tmp_path, experiment_id, [stalling.address], timeout_s=2 * JOIN_S)
+    assert prepared.experiment.record_id == experiment_id
+    assert stalling.blob_requests == 1, "the one bootstrap's genesis download never stalled"
+
+
 @pytest.fixture
 def refusing() -> Iterator[str]:
     """The address of a loopback port nobody listens on (connections are refused)."""

@@ -198,12 +198,20 @@ class Relay(_Listening):
 
     ``delay_s``: each piece of the node's answers reaches the client this long after it
     came (a longer path). ``trickle_blobs``: on a connection that asked for a blob, from
-    then on the node's answers go out at :attr:`BYTES_PER_S`. :attr:`blob_requests`
-    counts those connections, :attr:`accepted` every connection."""
+    then on the node's answers go out at :attr:`BYTES_PER_S` (only on the first
+    ``trickled`` such connections, when given: a link that stalls, then recovers).
+    :attr:`blob_requests` counts the trickled connections, :attr:`accepted` every one."""
 
     BYTES_PER_S = 16
 
-    def __init__(self, upstream: str, *, delay_s: float = 0.0, trickle_blobs: bool = False) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        delay_s: float = 0.0,
+        trickle_blobs: bool = False,
+        trickled: int | None = None,
+    ) -> None:
         parts = urlsplit(upstream)
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"upstream {upstream!r} is not http://host:port")
@@ -211,6 +219,7 @@ class Relay(_Listening):
         super().__init__("relay")
         self.delay_s = delay_s
         self.trickle_blobs = trickle_blobs
+        self.trickled = trickled
         self.blob_requests = 0
         self._legs: dict[socket.socket, _Leg] = {}
         self._selector = selectors.DefaultSelector()
@@ -273,7 +282,8 @@ class Relay(_Listening):
                     self._end(leg)
                     return
                 seen = leg.tail + data
-                if self.trickle_blobs and not leg.trickling and _BLOB_REQUEST in seen:
+                more = self.trickled is None or self.blob_requests < self.trickled
+                if self.trickle_blobs and more and not leg.trickling and _BLOB_REQUEST in seen:
                     leg.trickling = True
                     self.blob_requests += 1
                 leg.tail = seen[-len(_BLOB_REQUEST) :]

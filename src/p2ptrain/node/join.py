@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 #: a dead bootstrap can cost a join). One that answers later is asked if that fetch fails.
 _ANSWER_GRACE_S = (0.25, 1.0)
 
+#: How many times a join asks one bootstrap for the genesis weights when it fails in
+#: transit (a link stalled or cut: each try resumes from the bytes on disk), and the pause
+#: before the second try (doubling after each).
+_GENESIS_TRIES = 3
+_RETRY_S = 1.0
+
 _Manifests = tuple[Signed[NetworkManifest], Signed[ExperimentManifest]]
 
 
@@ -177,14 +183,27 @@ async def _genesis_from(
     answers: _Answers,
 ) -> Prepared | None:
     """Fetch the genesis weights from the bootstraps that answered, in rounds: each round
-    asks those that answered since the last round failed. None once every bootstrap failed
-    (``answers.errors`` says why, for each)."""
+    asks those that answered since the last round failed; when there are none, those that
+    failed in transit (too slow, cut off: the next try resumes from the bytes on disk) fewer
+    than :data:`_GENESIS_TRIES` times, after a pause that doubles. None once every
+    bootstrap failed (``answers.errors`` says why, for each)."""
     tried: list[str] = []
+    again: list[str] = []  # failed in transit: asked again in the next round
+    tries: dict[str, int] = {}
     client: PeerClient | None = None
     faults: dict[str, str] = {}  # the latest fault of each provider, as the fetcher saw it
     try:
-        while fresh := await _next_round(answers, tried):
-            tried += fresh
+        pause_s = _RETRY_S
+        while True:
+            new = await _next_round(answers, tried, waits=not again)
+            if again and not new:  # a backoff: a stalled link may recover
+                joining, asked = experiment_id[:16], ", ".join(again)
+                logger.info("joining %s: asking %s again in %.0f s", joining, asked, pause_s)
+                await asyncio.sleep(pause_s)
+            fresh = new or again  # those not tried yet, alone: a slow one would hold them up
+            if not fresh:
+                return None
+            tried += new
             assert answers.manifests is not None  # someone answered
             network, experiment = answers.manifests
             if client is None:
@@ -192,6 +211,8 @@ async def _genesis_from(
             fetcher = BlobFetcher(
                 client, store.blobs, timeout_s=settings.fetch_timeout_s, on_fault=faults.__setitem__
             )
+            for address in fresh:
+                tries[address] = tries.get(address, 0) + 1
             try:
                 await fetcher.fetch(experiment.record.genesis_weights, fresh)
             except StorageFault as exc:
@@ -201,8 +222,15 @@ async def _genesis_from(
                     "writable) and start the node again"
                 ) from exc
             except (TransportError, ProtocolViolation) as exc:
+                in_transit = not isinstance(exc, ProtocolViolation)
+                again += [a for a in fresh if in_transit and a not in again]
+                again = [a for a in again if tries[a] < _GENESIS_TRIES]
                 for address in fresh:
-                    answers.errors[address] = f"the genesis weights: {faults.get(address, exc)}"
+                    why = f"the genesis weights: {faults.get(address, exc)}"
+                    answers.errors[address] = why + (
+                        f" ({tries[address]} tries)" if tries[address] > 1 else ""
+                    )
+                pause_s = _RETRY_S * 2 ** (max((tries[a] for a in again), default=1) - 1)
                 logger.info(
                     "joining %s: no genesis weights from %s (%s)%s",
                     experiment_id[:16],
@@ -212,17 +240,19 @@ async def _genesis_from(
                 )
                 continue
             return _adopted(identity, store, network, experiment)
-        return None
     finally:
         if client is not None:
             await client.close()
 
 
-async def _next_round(answers: _Answers, tried: list[str]) -> list[str]:
+async def _next_round(answers: _Answers, tried: list[str], *, waits: bool = True) -> list[str]:
     """The bootstraps to fetch the genesis weights from next: those that answered and were
     not tried yet, once one did (the first round also waits a short grace for the others);
-    none once every bootstrap answered or failed and all that answered were tried."""
-    while answers.pending and len(answers.answered) == len(tried):
+    none once every bootstrap answered or failed and all that answered were tried.
+    ``waits=False``: only those that answered by now (others are asked again anyway)."""
+    if not waits:
+        await answers.wait_all(0.0)
+    while waits and answers.pending and len(answers.answered) == len(tried):
         await answers.wait_next()
     if not tried and answers.answered:
         low, high = _ANSWER_GRACE_S
