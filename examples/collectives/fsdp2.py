@@ -20,6 +20,7 @@ runs: use the group your code is given where this example uses ``group``, and le
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from collections.abc import Iterator
@@ -118,6 +119,10 @@ def main() -> None:
         group = dist.group.WORLD  # inside a pod: the group p2ptrain gives your code
         assert group is not None
         train(group)
+        # FSDP's modules hold references in cycles (hooks) to gloo's work objects: free them
+        # while the interpreter is whole, not in its teardown, which aborts when a gloo
+        # thread still holds one
+        gc.collect()
         # every rank is done with the group (FSDP's last all-gathers included) before
         # either tears it down: gloo aborts a rank whose peer left mid-collective
         dist.barrier(group)
