@@ -49,7 +49,7 @@ import resource
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,8 +68,6 @@ from p2ptrain.errors import LocalError
 from p2ptrain.observe.events import mean_utilisation
 
 if TYPE_CHECKING:
-    import torch
-
     from p2ptrain.bench.convergence_network import CertifiedHead, NetworkRun
 
 __all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence", "run_convergence_links"]
@@ -461,13 +459,13 @@ def _watch_heads(
     if target is None:
         yield
         return
-    from p2ptrain.bench.convergence_watch import TargetWatch, head_weights
+    from p2ptrain.bench.convergence_watch import Model, TargetWatch, head_blob
 
-    def newest() -> tuple[str, Callable[[], Mapping[str, torch.Tensor]]] | None:
+    def newest() -> Model | None:
         if not heads:
             return None
         head = heads[-1]
-        return head.head_id, lambda: head_weights(seed_dir, head.weights_blob)
+        return head.head_id, "blob", head_blob(seed_dir, head.weights_blob)
 
     with TargetWatch(task, target, newest, reached):
         yield
@@ -482,16 +480,15 @@ def _watch_snapshots(task: Task, target: float | None, workdir: Path) -> Iterato
         yield
         return
     from p2ptrain.bench.convergence_task import rank_directory
-    from p2ptrain.bench.convergence_watch import TargetWatch
+    from p2ptrain.bench.convergence_watch import Model, TargetWatch
 
     first = rank_directory(workdir, 0)
 
-    def newest() -> tuple[str, Callable[[], Mapping[str, torch.Tensor]]] | None:
+    def newest() -> Model | None:
         names = sorted(first.glob("step-*.safetensors"))
         if not names:
             return None
-        path = names[-1]
-        return path.name, lambda: _load_file(path)
+        return names[-1].name, "safetensors", names[-1]
 
     def reached() -> None:  # genesis, then one snapshot per epoch
         epochs = len(list(first.glob("step-*.safetensors"))) - 1
@@ -499,13 +496,6 @@ def _watch_snapshots(task: Task, target: float | None, workdir: Path) -> Iterato
 
     with TargetWatch(task, target, newest, reached):
         yield
-
-
-def _load_file(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = load_file(str(path))
-    return weights
 
 
 def _ddp_formula_bytes(task: Task, steps: list[int]) -> list[int]:
