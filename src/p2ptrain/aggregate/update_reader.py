@@ -155,7 +155,7 @@ class UpdateVector:
         header = layout.slots.get(HEADER_TENSOR)
         if header is None or header.dtype != torch.uint8 or len(header.shape) != 1:
             raise ProtocolViolation(f"update has no 1-D uint8 {HEADER_TENSOR!r} codec header")
-        text = bytes(self._bytes(header, 0, header.end - header.begin))
+        text = self._bytes(header, 0, header.end - header.begin).numpy().tobytes()
         model = read_codec_header(text, self._codec, expected)
         parts = {name: slot for name, slot in layout.slots.items() if name != HEADER_TENSOR}
         found = {name: (slot.shape, slot.dtype) for name, slot in parts.items()}
