@@ -200,7 +200,7 @@ class StatusView:
         data = encode_status(status)
         data += b" " * (-len(data) % _STATUS_PAGE)
         try:
-            write_atomically(path, data)
+            write_atomically(path, data, durable=False)  # a report, rewritten every 2 s
         except LocalError as exc:
             if not storage.check("writing the status", exc):
                 logger.warning("%s", exc)

@@ -249,7 +249,7 @@ _peers_decoder = msgspec.json.Decoder(list[PeerView])
 
 def write_peers(data_dir: Path, peers: tuple[PeerView, ...]) -> None:
     """The peers a node knows, for a dashboard of its data directory."""
-    write_atomically(data_dir / PEERS_FILE, msgspec.json.encode(list(peers)))
+    write_atomically(data_dir / PEERS_FILE, msgspec.json.encode(list(peers)), durable=False)
 
 
 class DataDirSnapshots:

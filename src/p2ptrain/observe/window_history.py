@@ -286,7 +286,7 @@ class WindowHistory:
         """Write the file if anything changed since the last write."""
         if self.path is None or not self._dirty:
             return
-        write_atomically(self.path, msgspec.json.encode(list(self._records)))
+        write_atomically(self.path, msgspec.json.encode(list(self._records)), durable=False)
         self._dirty = False
 
 
