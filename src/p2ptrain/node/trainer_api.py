@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,35 @@ class WindowOutcome:
     #: reached this node when the outcome was yielded (None: none yet; reports follow the
     #: head, since evaluators evaluate it once it is certified).
     val_loss: float | None = None
+
+
+def _queued(events: _Events, nodes: list[Node]) -> Callable[[NodeEvent], None]:
+    """What the node calls with each event, on its own thread: the event goes into
+    ``events``; an adopted head with the figures read from the node now, while it runs (the
+    caller's thread reads the queue later, maybe after the node stopped and closed its
+    store)."""
+
+    def on_event(event: NodeEvent) -> None:
+        if isinstance(event, HeadAdopted) and nodes:
+            node = nodes[0]
+            val_loss = median_val_loss(node.store, event.head_id)[0]
+            events.put(_Adopted(event, node.status().bytes_sent, val_loss))
+        else:
+            events.put(event)
+
+    return on_event
+
+
+@dataclass(frozen=True)
+class _Adopted:
+    """A head the node adopted, with the figures read from the node when it did."""
+
+    event: HeadAdopted
+    bytes_sent: int
+    val_loss: float | None
+
+
+_Events = queue.Queue[NodeEvent | _Adopted | BaseException | None]
 
 
 class Trainer:
@@ -195,16 +224,17 @@ class Trainer:
         if windows is not None and until_height is not None:
             raise LocalError("Trainer.run: give windows (more windows) or until_height, not both")
         settings = NodeSettings(**self._settings, windows=windows, until_height=until_height)
-        events: queue.Queue[NodeEvent | BaseException | None] = queue.Queue()
+        events: _Events = queue.Queue()
         nodes: list[Node] = []
         loop = metered_loop()
+        on_event = _queued(events, nodes)
 
         async def main() -> None:
             try:
                 await serve(
                     settings,
                     workload=self._workload,
-                    on_event=events.put,
+                    on_event=on_event,
                     on_node=nodes.append,
                     # done here already, unless the workload is code only the node builds
                     dry_run=self._settings["workload"] is not None,
@@ -229,17 +259,18 @@ class Trainer:
                     ready = True
                 elif isinstance(item, Trained):
                     last = item
-                elif isinstance(item, HeadAdopted) and nodes and ready:
+                elif isinstance(item, _Adopted) and ready:
+                    head = item.event
                     yield WindowOutcome(
-                        height=item.height,
-                        head_id=item.head_id,
-                        accepted=item.accepted,
-                        update=item.update,
+                        height=head.height,
+                        head_id=head.head_id,
+                        accepted=head.accepted,
+                        update=head.update,
                         loss_before=None if last is None else last.loss_before,
                         loss_after=None if last is None else last.loss_after,
-                        bytes_sent=nodes[0].status().bytes_sent,
-                        reason=item.reason,
-                        val_loss=median_val_loss(nodes[0].store, item.head_id)[0],
+                        bytes_sent=item.bytes_sent,
+                        reason=head.reason,
+                        val_loss=item.val_loss,
                     )
                     outcomes += 1
             if outcomes == 0 and nodes and nodes[0].stop_reason:
