@@ -69,6 +69,7 @@ from p2ptrain.observe.events import mean_utilisation
 
 if TYPE_CHECKING:
     from p2ptrain.bench.convergence_network import CertifiedHead, NetworkRun
+    from p2ptrain.bench.convergence_watch import TargetWatch
 
 __all__ = ["SYSTEMS", "ConvergenceSettings", "run_convergence", "run_convergence_links"]
 
@@ -331,7 +332,7 @@ def _run_system(
             from p2ptrain.bench.convergence_hivemind import run_hivemind
 
             assert python is not None
-            with _watch_snapshots(capped, target, workdir):
+            with _watch_snapshots(capped, target, workdir, reference=task.samples, system=system):
                 hive = run_hivemind(
                     capped, workdir, placement, hosts, python=python, timeout_s=settings.timeout_s
                 )
@@ -348,7 +349,15 @@ def _run_system(
             deadline = settings.deadline_s or _deadline_s(task)
             heads: list[CertifiedHead] = []
             stop = threading.Event()
-            with _watch_heads(capped, target, workdir / "seed", heads, stop.set):
+            with _watch_heads(
+                capped,
+                target,
+                workdir / "seed",
+                heads,
+                stop.set,
+                reference=task.samples,
+                system=system,
+            ):
                 run = run_network(
                     capped,
                     workdir,
@@ -447,6 +456,13 @@ def _evaluate_heads(task: Task, run: NetworkRun) -> tuple[list[tuple[float, floa
     return points, samples
 
 
+def _watcher_error(system: _System, watch: TargetWatch) -> None:
+    """Say in the system's figures why its watcher gave up, if it did (the run then went on
+    to the cap)."""
+    if watch.error is not None:
+        system.extra["watcher_error"] = watch.error
+
+
 @contextlib.contextmanager
 def _watch_heads(
     task: Task,
@@ -454,39 +470,54 @@ def _watch_heads(
     seed_dir: Path,
     heads: list[CertifiedHead],
     reached: Callable[[], None],
+    *,
+    reference: int,
+    system: _System,
 ) -> Iterator[None]:
-    """While our network runs to ``target``: evaluate its newest certified head."""
+    """While our network runs to ``target``: once its heads accepted the ``reference``
+    samples, evaluate its newest certified head (see :func:`_watch_snapshots`)."""
     if target is None:
         yield
         return
     from p2ptrain.bench.convergence_watch import Model, TargetWatch, head_blob
 
+    batch = int(task.config.get("batch_size", 0) or 0)
+
     def newest() -> Model | None:
-        if not heads:
+        if not heads or sum(h.accepted for h in heads) * task.inner_steps * batch < reference:
             return None
         head = heads[-1]
         return head.head_id, "blob", head_blob(seed_dir, head.weights_blob)
 
-    with TargetWatch(task, target, newest, reached):
+    with TargetWatch(task, target, newest, reached) as watch:
         yield
+    _watcher_error(system, watch)
 
 
 @contextlib.contextmanager
-def _watch_snapshots(task: Task, target: float | None, workdir: Path) -> Iterator[None]:
-    """While hivemind runs to ``target``: evaluate the first peer's newest snapshot; once
-    one reached it, ask every peer to stop two epochs on (an epoch none has reached, so that
-    they all stop at the same average)."""
+def _watch_snapshots(
+    task: Task, target: float | None, workdir: Path, *, reference: int, system: _System
+) -> Iterator[None]:
+    """While hivemind runs to ``target``: once the peers trained on the ``reference``
+    samples, evaluate the first peer's newest snapshot; once one reached it, ask every peer
+    to stop two epochs on (an epoch none has reached, so that they all stop at the same
+    average).
+
+    Nothing is evaluated while a run is within the reference budget, where the evaluation
+    would take CPU from the run it times (DDP's snapshots, like every model's, are
+    evaluated after the run): a run that reached the target by then stops at its first
+    model past the budget, and the figures come from evaluating every model afterwards."""
     if target is None:
         yield
         return
-    from p2ptrain.bench.convergence_task import rank_directory
+    from p2ptrain.bench.convergence_task import rank_directory, snapshot_samples
     from p2ptrain.bench.convergence_watch import Model, TargetWatch
 
     first = rank_directory(workdir, 0)
 
     def newest() -> Model | None:
         names = sorted(first.glob("step-*.safetensors"))
-        if not names:
+        if not names or snapshot_samples(names[-1]) < reference:
             return None
         return names[-1].name, "safetensors", names[-1]
 
@@ -494,8 +525,9 @@ def _watch_snapshots(task: Task, target: float | None, workdir: Path) -> Iterato
         epochs = len(list(first.glob("step-*.safetensors"))) - 1
         ask_to_stop(workdir, epochs + 2)
 
-    with TargetWatch(task, target, newest, reached):
+    with TargetWatch(task, target, newest, reached) as watch:
         yield
+    _watcher_error(system, watch)
 
 
 def _ddp_formula_bytes(task: Task, steps: list[int]) -> list[int]:
@@ -659,7 +691,7 @@ def _report(
         "inner_steps": task.inner_steps,
         "staleness": task.staleness,
         "sparse": task.sparse,
-        "samples": task.workers * task.steps * int(task.config.get("batch_size", 0) or 0),
+        "samples": task.samples,
         "target_val_loss": None if target is None else round(target, 4),
         "bytes_ratio_vs_ddp": _ratio(
             theirs.get("bytes_per_trainer"), ours.get("bytes_per_trainer")
@@ -670,10 +702,7 @@ def _report(
         "until_target": settings.until_target,
         "cap_samples": None
         if not settings.until_target
-        else task.workers
-        * settings.cap_windows
-        * task.inner_steps
-        * int(task.config.get("batch_size", 0) or 0),
+        else dataclasses.replace(task, windows=settings.cap_windows).samples,
         "bytes_to_target_ratio_vs_ddp": _ratio(
             theirs.get("bytes_per_trainer_to_target"), ours.get("bytes_per_trainer_to_target")
         ),

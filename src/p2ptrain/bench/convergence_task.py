@@ -42,6 +42,7 @@ __all__ = [
     "rank_directory",
     "read_done",
     "read_snapshots",
+    "snapshot_samples",
     "stop_epoch",
     "worker_batches",
     "worker_weights",
@@ -78,6 +79,11 @@ class Task:
     def steps(self) -> int:
         """Optimizer steps per worker (a DDP step is one global step of every rank)."""
         return self.windows * self.inner_steps
+
+    @property
+    def samples(self) -> int:
+        """Samples every worker together trains on in the run: ``steps`` batches each."""
+        return self.workers * self.steps * int(self.config.get("batch_size", 0) or 0)
 
     @property
     def lr(self) -> float:
@@ -203,14 +209,27 @@ def rank_directory(out: Path, rank: int) -> Path:
     return out / f"rank{rank}"
 
 
-def read_snapshots(directory: Path) -> list[Snapshot]:
-    """The snapshots a :class:`SnapshotWriter` left in ``directory``, oldest first."""
+def _snapshot_metadata(path: Path) -> dict[str, str]:
     from safetensors import safe_open
 
+    with safe_open(str(path), framework="pt") as handle:
+        return dict(handle.metadata() or {})
+
+
+def snapshot_samples(path: Path) -> int:
+    """The samples every worker together had trained on when it saved the snapshot at
+    ``path`` (0 when its metadata does not say)."""
+    try:
+        return int(_snapshot_metadata(path).get("samples", 0))
+    except ValueError:
+        return 0
+
+
+def read_snapshots(directory: Path) -> list[Snapshot]:
+    """The snapshots a :class:`SnapshotWriter` left in ``directory``, oldest first."""
     found = []
     for path in sorted(directory.glob(SNAPSHOT_GLOB)):
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
+        meta = _snapshot_metadata(path)
         try:
             found.append(
                 Snapshot(float(meta["time"]), int(meta["step"]), int(meta["samples"]), path)

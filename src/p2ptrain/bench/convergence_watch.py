@@ -15,7 +15,10 @@ stops at its next boundary.
 The watcher only decides when to stop: the figures of the report (samples, seconds and bytes
 to the target) come from the evaluation of every model after the system stopped, as for a
 run of fixed length. A watcher that lags behind costs the run a few more windows, never a
-wrong figure.
+wrong figure. The bench offers it no model before the system trained on the reference
+samples (DDP's budget): even at the lowest priority an evaluation takes CPU from the run
+it times, when DDP's snapshots are evaluated only after DDP's run. A system that reached
+the target by then stops at its first model past the budget.
 
 :func:`read_blob` reads a certified head's weights from a running node's blob store (at
 :func:`head_blob`) by their content address, verified against it, without the data
@@ -141,7 +144,11 @@ class TargetWatch:
         assert child is not None and child.stdin is not None and child.stdout is not None
         last: str | None = None
         while not self._stop.wait(self.poll_s):
-            newest = self._newest()
+            try:
+                newest = self._newest()
+            except (OSError, LookupError, ValueError) as exc:
+                self.error = f"cannot tell the system's newest model: {exc!r}"
+                return
             if newest is None or newest[0] == last:
                 continue
             last, kind, path = newest

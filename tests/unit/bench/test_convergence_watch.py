@@ -120,3 +120,73 @@ def test_link_rates_take_one_or_several_and_refuse_what_is_not_a_rate() -> None:
     for bad in ("0", "-5", "nan", "inf", "fast", "10,,50"):
         with pytest.raises(LocalError, match="not a rate above 0"):
             _link_rates(bad)
+
+
+def test_nothing_is_evaluated_while_a_run_is_within_the_reference_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchers of our network and of hivemind offer no model to evaluate before the
+    run trained on the reference samples (the evaluation would take CPU from the run it
+    times); past them, the newest model."""
+    from p2ptrain.bench import convergence, convergence_watch
+    from p2ptrain.bench.convergence_network import CertifiedHead
+    from p2ptrain.bench.convergence_task import SnapshotWriter, rank_directory
+
+    offered: list[Model | None] = []
+
+    class Recorder:
+        error = None
+
+        def __init__(self, task: Task, target: float, newest: object, reached: object) -> None:
+            self.newest = newest
+
+        def __enter__(self) -> Recorder:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def offer(self) -> None:
+            offered.append(self.newest())  # type: ignore[operator]
+
+    watches: list[Recorder] = []
+    monkeypatch.setattr(
+        convergence_watch,
+        "TargetWatch",
+        lambda *args: watches.append(Recorder(*args)) or watches[-1],  # type: ignore[func-returns-value]
+    )
+    batch = int(TASK.config["batch_size"])
+    per_head = TASK.workers * TASK.inner_steps * batch  # samples of a head accepting all
+    heads: list[CertifiedHead] = []
+    system = convergence._System("p2ptrain")
+    with convergence._watch_heads(
+        TASK, 1.0, tmp_path, heads, lambda: None, reference=2 * per_head, system=system
+    ):
+        watches[-1].offer()  # no head yet
+        for height in (1, 2):
+            heads.append(CertifiedHead(0.0, height, f"{height:064x}", TASK.workers, "ab" * 32))
+            watches[-1].offer()
+    assert offered == [None, None, (f"{2:064x}", "blob", head_blob(tmp_path, "ab" * 32))]
+    assert "watcher_error" not in system.extra
+
+    offered.clear()
+    writer = SnapshotWriter(rank_directory(tmp_path, 0))
+    weights, _ = _models()
+    with convergence._watch_snapshots(TASK, 1.0, tmp_path, reference=2 * per_head, system=system):
+        watches[-1].offer()  # no snapshot yet
+        for epoch in (1, 2):
+            writer.save(epoch * TASK.inner_steps, epoch * per_head, weights)
+            watches[-1].offer()
+    newest = rank_directory(tmp_path, 0) / f"step-{2 * TASK.inner_steps:07d}.safetensors"
+    assert offered == [None, None, (newest.name, "safetensors", newest)]
+
+
+def test_a_watcher_that_cannot_tell_the_newest_model_says_why_and_stops() -> None:
+    def newest() -> Model | None:
+        raise LookupError("no such head")
+
+    with TargetWatch(TASK, 10.0, newest, lambda: None, poll_s=0.02) as watch:
+        watch._thread.join(timeout=30)
+        assert not watch._thread.is_alive()
+    assert watch.error == "cannot tell the system's newest model: LookupError('no such head')"
+    assert not watch.done.is_set()
