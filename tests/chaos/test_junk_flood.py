@@ -174,7 +174,6 @@ class Outsider:
             optimizer_blob=None,
             accepted=ids,
             aggregate_blob=aggregate,
-            aggregate_bytes=1 << 16,
         )
         proposal = Proposal(
             experiment_id=self.experiment_id,

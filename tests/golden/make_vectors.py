@@ -145,7 +145,6 @@ def _quarantined_base() -> BaseState:
         accepted=(h("vectors-update"),),
         quarantine=tuple(sorted(book, key=lambda e: e.peer_id)),
         aggregate_blob=h("vectors-aggregate-2"),
-        aggregate_bytes=4096,
     )
     return BaseState(head, head.id, _weights())
 

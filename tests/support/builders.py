@@ -86,7 +86,6 @@ def head(experiment_id: str, height: int = 1, label: str = "a") -> Head:
         optimizer_blob=h(f"opt-{label}"),
         accepted=tuple(sorted([h(f"u1-{label}"), h(f"u2-{label}")])),
         aggregate_blob=h(f"aggregate-{label}"),
-        aggregate_bytes=64,
     )
 
 
@@ -101,7 +100,6 @@ def child_head(parent: Head, label: str = "a", height: int | None = None) -> Hea
         optimizer_blob=None,
         accepted=(h(f"update-{height}-{label}"),),
         aggregate_blob=h(f"aggregate-{height}-{label}"),
-        aggregate_bytes=64,
     )
 
 

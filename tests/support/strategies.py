@@ -232,7 +232,6 @@ def heads(draw: st.DrawFn, experiment_id: str | None = None, height: int | None 
             for p in quarantined
         ),
         aggregate_blob=None if h == 0 else draw(hex_ids),
-        aggregate_bytes=None if h == 0 else draw(st.integers(1, 1 << 40)),
     )
 
 

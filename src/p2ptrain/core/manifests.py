@@ -18,7 +18,7 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 7
 #: What each protocol version changed (said when a peer or a data directory speaks another).
 VERSION_CHANGES = {
     2: "leases changed",
@@ -30,7 +30,6 @@ VERSION_CHANGES = {
         "gossip passes ids on (have, want) and sends each body once; nodes say what they "
         "skip; a sparse codec's warm-up aggregates are int4"
     ),
-    8: "heads carry their aggregate's size: followers fetch it without asking its size first",
 }
 
 ADMISSION_POLICIES = ("open", "certificate")

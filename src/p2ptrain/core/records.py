@@ -141,8 +141,7 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One point of the model's history. Its id binds parent, updates, weights and the
     aggregate that stepped the parent's weights to these (``aggregate_blob``, None only at
-    genesis): a follower holding the parent's state needs only the aggregate, and fetches
-    it knowing its size (``aggregate_bytes``) without asking a provider first."""
+    genesis): a follower holding the parent's state needs only the aggregate."""
 
     experiment_id: str
     height: int
@@ -152,7 +151,6 @@ class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     accepted: tuple[str, ...] = ()
     quarantine: tuple[QuarantineEntry, ...] = ()
     aggregate_blob: str | None = None
-    aggregate_bytes: int | None = None
 
     def __post_init__(self) -> None:
         rules.check_hex_id("experiment_id", self.experiment_id)
@@ -165,10 +163,6 @@ class Head(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         rules.check_optional_hex_id("aggregate_blob", self.aggregate_blob)
         if (self.height == 0) != (self.aggregate_blob is None):
             raise InvalidRecord("aggregate_blob", "every head but the genesis names its aggregate")
-        if (self.aggregate_blob is None) != (self.aggregate_bytes is None):
-            raise InvalidRecord("aggregate_bytes", "the aggregate's size comes with the aggregate")
-        if self.aggregate_bytes is not None:
-            rules.check_int("aggregate_bytes", self.aggregate_bytes, 1)
         rules.check_count("accepted", self.accepted, 0, MAX_UPDATES_PER_WINDOW)
         if self.height == 0 and self.accepted:
             raise InvalidRecord("accepted", "the genesis head accepts no updates")

@@ -58,12 +58,9 @@ async def _head_state(
 async def _aggregate(
     services: PeerServices, height: Height, request: AggregateFetch
 ) -> bytes | bytearray:
-    head = request.head
-    assert head.aggregate_blob is not None
-    # the certified size: no provider is asked for it first (a HEAD round trip per window)
-    return await services.fetch_blob(
-        head.aggregate_blob, request.first, head.aggregate_bytes, kind="aggregate"
-    )
+    assert request.head.aggregate_blob is not None
+    blob_id = request.head.aggregate_blob
+    return await services.fetch_blob(blob_id, request.first, kind="aggregate")
 
 
 async def _window_records(

@@ -506,7 +506,6 @@ def reduce_window(
         accepted=accepted,
         quarantine=standings,
         aggregate_blob=aggregate_id,
-        aggregate_bytes=len(aggregate_blob),
     )
     return Reduction(
         window=window,

@@ -171,7 +171,6 @@ def equivocate(
         weights_blob=sha256_hex(f"forged/{record.height}".encode()),
         optimizer_blob=None,
         aggregate_blob=sha256_hex(f"forged aggregate/{record.height}".encode()),
-        aggregate_bytes=1024,
     )
     second = seal(sender.identity, Attestation(experiment_id=record.experiment_id,
                   height=record.height, head_id=forged.id, validator=record.validator,

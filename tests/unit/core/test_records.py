@@ -77,7 +77,6 @@ def test_head_rules() -> None:
             optimizer_blob=None,
             accepted=(h("b"), h("a")) if h("b") > h("a") else (h("a"), h("b")),
             aggregate_blob=h("g"),
-            aggregate_bytes=64,
         )
     with pytest.raises(InvalidRecord, match="aggregate_blob"):  # every later head names one
         Head(experiment_id=h("e"), height=2, parent=h("p"), weights_blob=h("w"),
@@ -85,15 +84,6 @@ def test_head_rules() -> None:
     with pytest.raises(InvalidRecord, match="aggregate_blob"):  # the genesis has none
         Head(experiment_id=h("e"), height=0, parent=None, weights_blob=h("w"),
              optimizer_blob=None, aggregate_blob=h("g"))  # fmt: skip
-    with pytest.raises(InvalidRecord, match="aggregate_bytes"):  # the size comes with it
-        Head(experiment_id=h("e"), height=2, parent=h("p"), weights_blob=h("w"),
-             optimizer_blob=None, aggregate_blob=h("g"))  # fmt: skip
-    with pytest.raises(InvalidRecord, match="aggregate_bytes"):  # and only with it
-        Head(experiment_id=h("e"), height=0, parent=None, weights_blob=h("w"),
-             optimizer_blob=None, aggregate_bytes=64)  # fmt: skip
-    with pytest.raises(InvalidRecord, match="aggregate_bytes"):  # an aggregate is never empty
-        Head(experiment_id=h("e"), height=2, parent=h("p"), weights_blob=h("w"),
-             optimizer_blob=None, aggregate_blob=h("g"), aggregate_bytes=0)  # fmt: skip
 
 
 def test_head_id_binds_parent_updates_and_weights() -> None:
@@ -104,9 +94,8 @@ def test_head_id_binds_parent_updates_and_weights() -> None:
         msgspec.structs.replace(base, weights_blob=h("x")).id,
         msgspec.structs.replace(base, accepted=(h("only"),)).id,
         msgspec.structs.replace(base, aggregate_blob=h("x")).id,
-        msgspec.structs.replace(base, aggregate_bytes=65).id,
     }
-    assert len(ids) == 6
+    assert len(ids) == 5
 
 
 def test_proposal_must_agree_with_its_head() -> None:

@@ -67,7 +67,6 @@ class Fixture:
             weights_blob=weights,
             optimizer_blob=optimizer,
             aggregate_blob=aggregate,
-            aggregate_bytes=None if aggregate is None else 64,
         )
 
     def add_head(self, height: int) -> Head:

@@ -27,7 +27,6 @@ def _head(accepted: tuple[str, ...] = (), quarantine: tuple[QuarantineEntry, ...
         accepted=tuple(sorted(accepted)),
         quarantine=quarantine,
         aggregate_blob=h("aggregate"),
-        aggregate_bytes=64,
     )
 
 

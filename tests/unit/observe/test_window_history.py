@@ -38,7 +38,6 @@ def _head(height: int, accepted: tuple[str, ...] = (), quarantine: tuple = ()) -
         accepted=accepted,
         quarantine=tuple(sorted(quarantine, key=lambda q: q.peer_id)),
         aggregate_blob=None if height == 0 else f"{height + 200:064x}",
-        aggregate_bytes=None if height == 0 else 64,
     )
 
 

@@ -83,7 +83,6 @@ def test_a_head_with_the_wrong_parent_is_refused() -> None:
         weights_blob=h("weights"),
         optimizer_blob=None,
         aggregate_blob=h("aggregate"),
-        aggregate_bytes=64,
     )
     verdict = chain.extend(orphan, certify(orphan))
     assert not verdict
@@ -137,7 +136,6 @@ def test_a_head_of_another_experiment_is_refused() -> None:
         weights_blob=h("weights"),
         optimizer_blob=None,
         aggregate_blob=h("aggregate"),
-        aggregate_bytes=64,
     )
     verdict = chain.extend(stranger, certify(stranger))
     assert not verdict

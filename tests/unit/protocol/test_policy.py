@@ -170,8 +170,7 @@ def _rules() -> IntakeRules:
 def _proposal(signer: int, window: int = 1) -> Signed[Proposal]:
     base = h("base")
     head = Head(experiment_id=MANIFEST.id, height=window, parent=base,
-                weights_blob=h("w"), optimizer_blob=None, aggregate_blob=h("agg"),
-                aggregate_bytes=64)  # fmt: skip
+                weights_blob=h("w"), optimizer_blob=None, aggregate_blob=h("agg"))  # fmt: skip
     proposal = Proposal(experiment_id=MANIFEST.id, window=window, base_head=base,
                         reducer=identity(signer).public_key, accepted=(), rejected=(),
                         aggregate_blob=h("agg"), head=head)  # fmt: skip

@@ -191,7 +191,6 @@ def test_standings_are_sorted_valid_records() -> None:
         optimizer_blob=None,
         quarantine=standings,
         aggregate_blob=h("aggregate"),
-        aggregate_bytes=64,
     )
     assert decode(Head, encode(head), max_bytes=1 << 16) == head
 

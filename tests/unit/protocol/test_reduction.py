@@ -388,7 +388,6 @@ def test_a_quarantined_trainer_is_rejected_without_a_strike() -> None:
         accepted=(h("some-update"),),
         quarantine=quarantine,
         aggregate_blob=h("aggregate-3"),
-        aggregate_bytes=64,
     )
     base = BaseState(head, head.id, base_weights())
     assert base.window == 4
@@ -415,7 +414,6 @@ def test_a_quarantine_ends_after_its_last_window() -> None:
         optimizer_blob=None,
         quarantine=(excluded,),
         aggregate_blob=h("aggregate-3"),
-        aggregate_bytes=64,
     )
     base = BaseState(head, head.id, base_weights())
     back = submit(BAD, delta(4), base=base)

@@ -49,7 +49,6 @@ def test_a_head_names_its_weights_its_optimizer_state_and_its_aggregate() -> Non
             weights_blob=h("w"),
             optimizer_blob=h("o"),
             aggregate_blob=aggregate,
-            aggregate_bytes=None if aggregate is None else 64,
         )
 
     assert head_blob_ids(aggregated(h("a"))) == (h("w"), h("o"), h("a"))
