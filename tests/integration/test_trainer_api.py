@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from p2ptrain import Trainer
 from p2ptrain.errors import LocalError
@@ -25,13 +26,29 @@ from tests.support.local_net import (  # noqa: F401
 pytestmark = pytest.mark.integration
 
 
+class _ThreadsSeen(Dataset[object]):
+    """A dataset that notes the torch thread count of the thread that reads it (the one that
+    trains, as the loader has no workers)."""
+
+    def __init__(self, inner: Dataset[object]) -> None:
+        self.inner, self.threads = inner, set[int]()
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> object:
+        self.threads.add(torch.get_num_threads())
+        return self.inner[index]
+
+
 def test_a_user_model_trains_through_the_trainer_api(local_net: Net) -> None:  # noqa: F811
     # The seed and one validator (q = 1) are processes; the trainer is this test's thread.
     local_net.launch(validators=1, reducers=0, trainers=0, quorum=1, max_updates=1)
     address = local_net.network.seed.address if local_net.network.seed else None
     assert address is not None and local_net.network.experiment_id is not None
     parts = char_gpt_workload(TINY_CONFIG)  # the same model and data a user would build
-    train_loader = DataLoader(parts.train_dataset, batch_size=parts.batch_size, shuffle=True)
+    seen = _ThreadsSeen(parts.train_dataset)
+    train_loader = DataLoader(seen, batch_size=parts.batch_size, shuffle=True)
     val_loader = DataLoader(parts.val_dataset, batch_size=64)
     trainer = Trainer(
         data_dir=local_net.workdir / "api-trainer",
@@ -42,10 +59,14 @@ def test_a_user_model_trains_through_the_trainer_api(local_net: Net) -> None:  #
         train_loader=train_loader,
         val_loader=val_loader,
     )
+    seen.threads.clear()  # what the Trainer's dry run (this thread) read
     outcomes = list(trainer.run(windows=2))
     assert [o.height for o in outcomes] == [1, 2]
     assert all(o.accepted == 1 and o.update == "accepted" for o in outcomes)
     assert outcomes[-1].loss_after is not None and outcomes[-1].bytes_sent > 0
+    # every window trained on the node's one torch thread (threads=1), whichever worker
+    # thread it ran in, including the one that had built the genesis weights before
+    assert seen.threads == {1}
     # the certified heads are what the seed holds
     local_net.wait_height("seed", 2, 30)
     status = subprocess.run(

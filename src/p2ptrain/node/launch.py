@@ -67,6 +67,10 @@ async def serve(
     first runs one batch forward and backward (``dry_run``; the Trainer API has done it
     already, before joining)."""
     mark_after_imports()  # before any model state: what the status measures peaks against
+    # before any thread runs torch: torch reads the count once per thread, at the thread's
+    # first parallel operation, so a worker that built the genesis weights before the count
+    # was set would train every window it gets on all the machine's cores
+    torch.set_num_threads(max(1, settings.threads))
     ensure_kernel()  # the C aggregation kernel: the package's, or built on first use
     if {"reducer", "validator"} & set(settings.roles):
         # loaded now (built, at worst), off the loop: the status names the backend at once
