@@ -42,6 +42,13 @@ division, round half to even, ±127, ±7 or ±1), and the outer step applies the
 a sixteenth of the float32 bytes. Every machine rounds the same aggregate to the same codes,
 so the head still binds one blob and a follower's outer step of its decoded values
 reproduces the certified weights bit for bit.
+
+A rounded tensor few of whose values are stored (bits other than ``+0.0``: a sparse codec's
+aggregate) is stored sparse instead, exactly when ``4 * chunks + 2 * nnz + bytes(nnz) <
+bytes(numel)``, ``bytes(n)`` the quantiser's parts for ``n`` values: ``<name>/counts`` and
+``<name>/offsets`` as above, and the quantiser's parts for the ``nnz`` stored values alone,
+in position order, as one vector (blocks of :data:`QUANT_BLOCK` stored values). A stored
+value that rounds to zero stays stored; the positions not stored are zero.
 """
 
 from __future__ import annotations
@@ -144,6 +151,47 @@ def encode_aggregate(
     return writer.close()
 
 
+def _quantised_bytes(quantiser: Int8Codec | PackedQuantCodec, numel: int) -> int:
+    """The bytes of ``quantiser``'s parts for ``numel`` values."""
+    layout = quantiser.layout(TensorSpec("", (numel,), "float32"))
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+
+
+def _rounded_sparse_is_smaller(
+    quantiser: Int8Codec | PackedQuantCodec, nnz: int, numel: int
+) -> bool:
+    """Whether a rounded tensor of ``numel`` values, ``nnz`` of them not ``+0.0``, is stored
+    sparse: its positions and the rounding of those values alone take fewer bytes."""
+    sparse = 4 * _chunks(numel) + 2 * nnz + _quantised_bytes(quantiser, nnz)
+    return sparse < _quantised_bytes(quantiser, numel)
+
+
+def _settle_sparse(
+    quantiser: Int8Codec | PackedQuantCodec,
+    name: str,
+    flat: torch.Tensor,
+    nnz: int,
+    container: dict[str, torch.Tensor],
+    *,
+    in_place: bool,
+) -> torch.Tensor:
+    """Round the ``nnz`` values of ``flat`` that are not ``+0.0`` as one tensor of ``nnz``
+    values (blocks of stored values, not of positions), put their positions and parts into
+    ``container`` and give back the rounded flat tensor (zero elsewhere)."""
+    positions = flat.view(torch.int32).ne(0).nonzero().reshape(-1)
+    assert positions.numel() == nnz
+    counts = torch.bincount(positions // _CHUNK, minlength=_chunks(flat.numel()))
+    container[f"{name}/counts"] = counts.to(torch.int32)
+    container[f"{name}/offsets"] = (positions % _CHUNK - _OFFSET_BIAS).to(torch.int16)
+    stored = TensorSpec(name, (nnz,), "float32")
+    parts = quantiser.encoder(stored, 0)(flat[positions])
+    container.update({f"{name}/{part}": value for part, value in parts.items()})
+    settled = flat if in_place else torch.empty(flat.numel(), dtype=torch.float32)
+    settled.zero_()
+    settled.index_copy_(0, positions, quantiser.decode(stored, parts))
+    return settled
+
+
 def _tagged() -> dict[str, torch.Tensor]:
     """A container holding only the format tag."""
     return {_TAG: torch.tensor(list(_TAG_BYTES), dtype=torch.uint8)}
@@ -196,6 +244,11 @@ def settle_aggregate(
     for name, tensor in tensors.items():
         spec = TensorSpec(name, tuple(tensor.shape), "float32")
         flat = tensor.detach().reshape(-1)
+        nnz = int(torch.count_nonzero(flat.view(torch.int32))) if flat.numel() else 0
+        if flat.numel() and _rounded_sparse_is_smaller(quantiser, nnz, flat.numel()):
+            rounded[name] = _settle_sparse(quantiser, name, flat, nnz, container, in_place=in_place)
+            rounded[name] = rounded[name].view(tensor.shape)
+            continue
         if not flat.numel():
             parts = quantiser.encoder(spec, 0)(tensor.detach())
             rounded[name] = quantiser.decode(spec, parts)
@@ -265,24 +318,12 @@ def _decode_one(
     counts, offsets, values = sparse
     if counts is None or offsets is None or values is None:
         raise ProtocolViolation(f"aggregate lacks parameter {name!r}")
-    chunks, nnz = _chunks(numel), values.numel()
-    if (
-        counts.dtype != torch.int32
-        or tuple(counts.shape) != (chunks,)
-        or offsets.dtype != torch.int16
-        or values.dtype != stored
-        or tuple(offsets.shape) != (nnz,)
-        or tuple(values.shape) != (nnz,)
-    ):
+    nnz = values.numel()
+    if values.dtype != stored or tuple(values.shape) != (nnz,) or offsets.numel() != nnz:
         raise ProtocolViolation(f"aggregate {name!r}: parts have the wrong dtypes or shapes")
     if not _sparse_is_smaller(nnz, numel, itemsize):
         raise ProtocolViolation(f"aggregate {name!r} is sparse where dense is canonical")
-    if bool(counts.lt(0).any()) or int(counts.sum()) != nnz:
-        raise ProtocolViolation(f"aggregate {name!r}: chunk counts do not add up to its values")
-    chunk_of = torch.repeat_interleave(torch.arange(chunks, dtype=torch.int64), counts.long())
-    positions = chunk_of * _CHUNK + offsets.long() + _OFFSET_BIAS
-    if nnz and (int(positions[-1]) >= numel or not bool(positions[1:].gt(positions[:-1]).all())):
-        raise ProtocolViolation(f"aggregate {name!r}: positions out of order or out of range")
+    positions = _positions(name, counts, offsets, numel)
     if bool(values.view(bits).eq(0).any()):
         raise ProtocolViolation(f"aggregate {name!r} stores a +0.0 it must leave out")
     flat = torch.zeros(numel, dtype=torch.float32)
@@ -290,9 +331,53 @@ def _decode_one(
     return flat.reshape(spec.shape)
 
 
+def _positions(name: str, counts: torch.Tensor, offsets: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flattened positions a sparse tensor's ``counts`` and ``offsets`` name (int64,
+    strictly increasing, each below ``numel``), or :class:`ProtocolViolation`."""
+    chunks, nnz = _chunks(numel), offsets.numel()
+    if (
+        counts.dtype != torch.int32
+        or tuple(counts.shape) != (chunks,)
+        or offsets.dtype != torch.int16
+        or tuple(offsets.shape) != (nnz,)
+    ):
+        raise ProtocolViolation(f"aggregate {name!r}: positions have the wrong dtypes or shapes")
+    if bool(counts.lt(0).any()) or int(counts.sum()) != nnz:
+        raise ProtocolViolation(f"aggregate {name!r}: chunk counts do not add up to its values")
+    chunk_of = torch.repeat_interleave(torch.arange(chunks, dtype=torch.int64), counts.long())
+    positions = chunk_of * _CHUNK + offsets.long() + _OFFSET_BIAS
+    if nnz and (int(positions[-1]) >= numel or not bool(positions[1:].gt(positions[:-1]).all())):
+        raise ProtocolViolation(f"aggregate {name!r}: positions out of order or out of range")
+    return positions
+
+
 def _decode_rounded(
     quantiser: Int8Codec | PackedQuantCodec, spec: TensorSpec, parts: dict[str, torch.Tensor]
 ) -> torch.Tensor:
+    name, numel = spec.name, math.prod(spec.shape)
+    counts, offsets = parts.pop(f"{name}/counts", None), parts.pop(f"{name}/offsets", None)
+    if counts is not None or offsets is not None:
+        if counts is None or offsets is None:
+            raise ProtocolViolation(f"{quantiser.name} aggregate {name!r} is half sparse")
+        nnz = offsets.numel()
+        if not _rounded_sparse_is_smaller(quantiser, nnz, numel):
+            raise ProtocolViolation(
+                f"{quantiser.name} aggregate {name!r} is sparse where dense is canonical"
+            )
+        positions = _positions(name, counts, offsets, numel)
+        values = _rounded_parts(quantiser, TensorSpec(name, (nnz,), "float32"), parts)
+        flat = torch.zeros(numel, dtype=torch.float32)
+        flat.index_copy_(0, positions, values)
+        return flat.reshape(spec.shape)
+    # (a dense rounding cannot be checked for canonical form here: values that rounded to
+    # zero were stored all the same; the head's recomputed hash binds the form)
+    return _rounded_parts(quantiser, spec, parts)
+
+
+def _rounded_parts(
+    quantiser: Int8Codec | PackedQuantCodec, spec: TensorSpec, parts: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The values of ``spec`` that ``quantiser``'s parts in ``parts`` (taken out) give."""
     name, found = spec.name, {}
     for part, (shape, dtype) in quantiser.layout(spec).items():
         value = parts.pop(f"{name}/{part}", None)

@@ -92,12 +92,12 @@ SPARSE_WARM_UP = 4
 def sparse_recipe(fraction: float) -> dict[str, Any]:
     """SparseLoCo's recipe at ``fraction``: chunked top-k updates after a dense warm-up,
     each coordinate averaged over its senders, the error feedback in place of outer momentum
-    (plain SGD at lr 1), the aggregate sent as bf16 (sparse)."""
+    (plain SGD at lr 1), the aggregate rounded to int4 (sparse: its stored values alone)."""
     return {
         "outer": "sgd",
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
-        "aggregate_precision": "bf16",
+        "aggregate_precision": "int4",
         "codec": "sparseloco",
         "codec_config": {"fraction": fraction, "dense_windows": SPARSE_WARM_UP},
         "rule": "contributor_mean",

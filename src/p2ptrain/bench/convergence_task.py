@@ -72,7 +72,7 @@ class Task:
     schedule_windows: int = 0
     #: Our network's updates: 0 for the demo's dense int4; a fraction (e.g. 0.02) for the
     #: sparse recipe (:data:`SPARSE_RECIPE`: ``sparseloco`` of that fraction with a dense
-    #: warm-up, ``contributor_mean``, outer SGD at lr 1, bf16 aggregates).
+    #: warm-up, ``contributor_mean``, outer SGD at lr 1, int4 aggregates).
     sparse: float = 0.0
 
     @property

@@ -347,7 +347,7 @@ def _add_convergence(sub: Any) -> None:
         metavar="FRACTION",
         help="our network sends sparse updates of this fraction of each tensor, SparseLoCo's "
         "recipe (sparseloco after a 4-window dense warm-up, contributor_mean, outer SGD at "
-        "lr 1, bf16 aggregates); 0, the default, sends the demo's dense int4",
+        "lr 1, int4 aggregates); 0, the default, sends the demo's dense int4",
     )
     convergence.add_argument(
         "--systems",

@@ -431,8 +431,8 @@ KEYS: dict[str, KeyDoc] = {
         "`dense_vectors` (1, the default: norms and biases go as `int8`), `error_decay` "
         "(default 0.95) and `dense_windows` (the first windows go as `int4`, and their "
         "aggregate too, default 0); "
-        "it is meant for outer `sgd` at lr 1, the `contributor_mean` rule and `bf16` "
-        "aggregates.",
+        "it is meant for outer `sgd` at lr 1, the `contributor_mean` rule and `int4` "
+        "aggregates (stored sparse).",
         values=_CONFIG,
         example={"block_size": 256},
     ),
@@ -452,7 +452,8 @@ KEYS: dict[str, KeyDoc] = {
         "How the aggregate is rounded before the outer step and stored for followers: "
         "`fp32`, not at all; `bf16`, to bfloat16 (half the bytes; a sparse aggregate is "
         "stored sparse); `int8`, `int4`, `int2`, blockwise (a quarter, an eighth, a "
-        "sixteenth of the bytes to download).",
+        "sixteenth of the bytes to download; a sparse aggregate is stored sparse, its "
+        "stored values rounded).",
         choices=m.AGGREGATE_PRECISIONS,
     ),
     "screening.max_norm_ratio": KeyDoc(

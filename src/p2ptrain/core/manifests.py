@@ -18,7 +18,7 @@ from p2ptrain.core import field_rules as rules
 from p2ptrain.core.encoding import record_id
 from p2ptrain.errors import InvalidRecord
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: What each protocol version changed (said when a peer or a data directory speaks another).
 VERSION_CHANGES = {
     2: "leases changed",
@@ -30,6 +30,7 @@ VERSION_CHANGES = {
         "gossip passes ids on (have, want) and sends each body once; nodes say what they "
         "skip; a sparse codec's warm-up aggregates are int4"
     ),
+    8: "a rounded (int8, int4, int2) aggregate is stored sparse when that is smaller",
 }
 
 ADMISSION_POLICIES = ("open", "certificate")
@@ -56,7 +57,8 @@ AGGREGATION_RULES = (
 #: How a window's aggregate is rounded before the outer step and stored for followers:
 #: ``fp32`` -- not at all; ``bf16`` -- to bfloat16 (half the bytes; a sparse aggregate stays
 #: sparse); ``int8`` / ``int4`` / ``int2`` -- blockwise, as the update codecs of those names
-#: quantise (a quarter, an eighth, a sixteenth of the bytes to download).
+#: quantise (a quarter, an eighth, a sixteenth of the bytes to download; a sparse aggregate
+#: stays sparse, only its stored values rounded).
 AGGREGATE_PRECISIONS = ("fp32", "bf16", "int8", "int4", "int2")
 
 MAX_CONFIG_ENTRIES = 64

@@ -212,7 +212,7 @@ def test_packed_precisions_round_like_their_codecs(
     generator = torch.Generator().manual_seed(12)
     tensors = {"w": torch.randn(40, 33, generator=generator), "b": torch.zeros(5)}
     rounded, blob = settle_aggregate(tensors, precision)
-    assert len(blob) < share * 4 * (40 * 33 + 5) + 400  # container framing aside
+    assert len(blob) < share * 4 * (40 * 33 + 5) + 600  # container framing aside
     back = decode_aggregate(blob, schema_of(tensors), max_bytes=LIMIT, precision=precision)
     assert all(_same_bits(rounded[n], back[n]) for n in tensors)
     flat = tensors["w"].reshape(-1)[:256]  # by hand: the first block
@@ -311,3 +311,57 @@ def test_a_bf16_aggregate_refuses_float32_values_and_the_reverse() -> None:
         decode_aggregate(bytes(full), schema, max_bytes=LIMIT, precision="bf16")
     with pytest.raises(ProtocolViolation, match=r"wrong dtypes|is not"):
         decode_aggregate(bytes(half), schema, max_bytes=LIMIT, precision="fp32")
+
+
+@pytest.mark.parametrize(("precision", "levels"), [("int8", 127), ("int4", 7)])
+def test_a_sparse_aggregate_rounds_only_its_stored_values(precision: str, levels: int) -> None:
+    """A sparse codec's aggregate at a rounded precision keeps the sparse positions and
+    quantises the stored values alone, in blocks of 256 stored values: fewer bytes than
+    bf16's, and the decoder gives back exactly what the outer step applied."""
+    from p2ptrain.aggregate.aggregate_blob import _QUANTISERS  # the reference quantiser
+
+    generator = torch.Generator().manual_seed(20261207)
+    big = torch.zeros(300_000)
+    big[::13] = torch.randn(-(-300_000 // 13), generator=generator)  # ~8%: a 2% union
+    big[7] = -0.0  # stored, as in the bf16 form
+    tensors = {"w": big.reshape(600, 500), "b": torch.randn(10, generator=generator)}
+    applied, blob = settle_aggregate(tensors, precision)
+    parts = decode_state_dict(bytes(blob), max_bytes=LIMIT)
+    stored = big.view(torch.int32).ne(0).nonzero().reshape(-1)
+    assert torch.equal(parts["w/offsets"], (stored % 65536 - 32768).to(torch.int16))
+    assert int(parts["w/counts"].sum()) == stored.numel()
+    spec = TensorSpec("w", (stored.numel(),), "float32")
+    values = _QUANTISERS[precision].encoder(spec, 0)(big[stored])
+    for part, value in values.items():
+        assert torch.equal(parts[f"w/{part}"], value), part
+    first = big[stored][:256]  # by hand: the first block of stored values
+    codes = (first / _block_scale(first, levels)).round().clamp(-levels, levels)
+    assert torch.equal(applied["w"].reshape(-1)[stored[:256]], codes * _block_scale(first, levels))
+    untouched = torch.ones(300_000, dtype=torch.bool)
+    untouched[stored] = False
+    assert bool(applied["w"].reshape(-1)[untouched].eq(0).all())
+    assert "b/counts" not in parts  # dense: every value stored
+    back = decode_aggregate(bytes(blob), schema_of(tensors), max_bytes=LIMIT, precision=precision)
+    assert all(_same_bits(applied[n], back[n]) for n in tensors)
+    assert len(blob) < {"int8": 0.8, "int4": 0.7}[precision] * len(
+        settle_aggregate(tensors, "bf16")[1]
+    )
+    assert settle_aggregate({n: t.clone() for n, t in tensors.items()}, precision)[1] == blob
+
+
+def test_a_rounded_aggregate_refuses_a_sparse_form_where_dense_is_canonical() -> None:
+    tensors = {"w": _sparse(4096, list(range(0, 4096, 13)))}
+    schema = schema_of(tensors)
+    parts = decode_state_dict(bytes(settle_aggregate(tensors, "int8")[1]), max_bytes=LIMIT)
+    half = {n: v for n, v in parts.items() if n != "w/counts"}
+    with pytest.raises(ProtocolViolation, match="half sparse"):
+        decode_aggregate(bytes(encode_state_dict(half)), schema, max_bytes=LIMIT, precision="int8")
+    dense = settle_aggregate({"w": torch.randn(4096)}, "int8")[1]
+    everything = decode_state_dict(bytes(dense), max_bytes=LIMIT)
+    stored = torch.arange(4096)
+    everything["w/counts"] = torch.tensor([4096], dtype=torch.int32)
+    everything["w/offsets"] = (stored - 32768).to(torch.int16)
+    with pytest.raises(ProtocolViolation, match="sparse where dense is canonical"):
+        decode_aggregate(
+            bytes(encode_state_dict(everything)), schema, max_bytes=LIMIT, precision="int8"
+        )

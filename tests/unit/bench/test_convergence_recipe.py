@@ -33,7 +33,7 @@ def test_the_sparse_recipe_is_written_into_the_experiment() -> None:
     codec = CodecSpec(**parsed["codec"])  # type: ignore[arg-type]
     assert codec == CodecSpec(name="sparseloco", config={"fraction": 0.02, "dense_windows": 4})
     aggregation = AggregationSpec(**parsed["aggregation"])  # type: ignore[arg-type]
-    assert (aggregation.rule, aggregation.precision) == ("contributor_mean", "bf16")
+    assert (aggregation.rule, aggregation.precision) == ("contributor_mean", "int4")
     outer = OuterOptimizerSpec(**parsed["outer_optimizer"])  # type: ignore[arg-type]
     assert outer == OuterOptimizerSpec(name="sgd", lr=1.0, momentum=0.0)
 

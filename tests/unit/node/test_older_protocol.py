@@ -40,7 +40,7 @@ def test_a_peers_older_manifest_is_refused_with_both_versions() -> None:
         open_envelope(_old_network(), NetworkManifest)
     message = str(info.value)
     assert f"is {OLD}" in message and f"protocol {PROTOCOL_VERSION} only" in message
-    assert "gossip passes ids on" in message and f"release of protocol {OLD}" in message
+    assert "is stored sparse" in message and f"release of protocol {OLD}" in message
 
 
 def test_a_data_directory_of_protocol_4_is_refused_with_what_to_do(tmp_path: Path) -> None:
