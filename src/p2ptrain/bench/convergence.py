@@ -16,11 +16,12 @@ Without root the systems share loopback (``netns: false``) and bytes come from e
 own counters: our nodes' (TCP payload, as the kernel counted it), a formula for DDP's ring
 all-reduce, none for hivemind.
 
-Nobody evaluates while training: DDP's rank 0 and hivemind's first peer save their weights
-every ``inner_steps`` steps, and our seed keeps every certified head; once a system stopped,
-the bench evaluates each on the same validation set. Clocks start when a system's first
-process is launched. A sampler reads the byte counters while a system runs, for the loss
-against bytes. CPU seconds are those of the system's processes (``RUSAGE_CHILDREN``).
+Nobody evaluates while training: DDP's rank 0 saves its weights every ``inner_steps`` steps
+(at most 25), hivemind's first peer every ``inner_steps`` steps, and our seed keeps every
+certified head; once a system stopped, the bench evaluates each on the same validation set.
+Clocks start when a system's first process is launched. A sampler reads the byte counters
+while a system runs, for the loss against bytes. CPU seconds are those of the system's
+processes (``RUSAGE_CHILDREN``).
 
 Time to a loss: ``seconds_to_target`` is the first model at or below 1.02 x DDP's final
 validation loss (null if never); ``seconds_to_common`` at or below the *common* loss, the

@@ -85,21 +85,29 @@ DENSE_RECIPE: Final[dict[str, Any]] = {
 }
 """The demo's updates: dense int4 up and down, outer Nesterov."""
 
-#: Windows of dense int4 updates before the sparse ones start.
-SPARSE_WARM_UP = 4
+#: Inner steps of dense int4 updates before the sparse ones start (whole windows: 4 of 25
+#: steps, 2 of 50).
+SPARSE_WARM_UP_STEPS = 100
 
 
-def sparse_recipe(fraction: float) -> dict[str, Any]:
-    """SparseLoCo's recipe at ``fraction``: chunked top-k updates after a dense warm-up,
-    each coordinate averaged over its senders, the error feedback in place of outer momentum
-    (plain SGD at lr 1), the aggregate rounded to int4 (sparse: its stored values alone)."""
+def sparse_warm_up(inner_steps: int) -> int:
+    """The dense warm-up's windows at ``inner_steps`` a window: the nearest whole number to
+    :data:`SPARSE_WARM_UP_STEPS` steps, at least one."""
+    return max(1, round(SPARSE_WARM_UP_STEPS / inner_steps))
+
+
+def sparse_recipe(fraction: float, inner_steps: int) -> dict[str, Any]:
+    """SparseLoCo's recipe at ``fraction``: chunked top-k updates after a dense warm-up
+    (:func:`sparse_warm_up`), each coordinate averaged over its senders, the error feedback in
+    place of outer momentum (plain SGD at lr 1), the aggregate rounded to int4 (sparse: its
+    stored values alone)."""
     return {
         "outer": "sgd",
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
         "aggregate_precision": "int4",
         "codec": "sparseloco",
-        "codec_config": {"fraction": fraction, "dense_windows": SPARSE_WARM_UP},
+        "codec_config": {"fraction": fraction, "dense_windows": sparse_warm_up(inner_steps)},
         "rule": "contributor_mean",
     }
 
@@ -134,7 +142,7 @@ def run_network(
         max_updates=task.workers,
         inner_lr=task.lr,
         inner_schedule=demo_inner_schedule(task.schedule_windows or task.windows),
-        **(sparse_recipe(task.sparse) if task.sparse else DENSE_RECIPE),
+        **(sparse_recipe(task.sparse, task.inner_steps) if task.sparse else DENSE_RECIPE),
         study="bench",
         name="convergence",
         staleness=task.staleness,

@@ -8,8 +8,9 @@ batch_size``. A DDP rank or a hivemind peer draws its minibatches with :func:`wo
 
 Workers do not evaluate while they train (that would steal the CPU from training and from
 the other systems' clocks): a worker writes a :class:`SnapshotWriter` snapshot of its weights
-every ``inner_steps`` steps, with the wall-clock time it was taken, and the bench evaluates
-all of them on the same fixed validation set once the system has stopped.
+every ``inner_steps`` steps (DDP's rank 0 every :attr:`Task.snapshot_steps`), with the
+wall-clock time it was taken, and the bench evaluates all of them on the same fixed
+validation set once the system has stopped.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ SNAPSHOT_GLOB = "step-*.safetensors"
 DONE_FILE = "done.json"
 #: Under a run's directory: the epoch at which its workers stop early (a run to target).
 STOP_FILE = "stop-epoch"
+#: The most steps between two of DDP's snapshots, whatever the window's length: DDP's time to
+#: a loss is that of its first snapshot at or below it, so a long window (50 steps) must not
+#: round DDP's time up by up to a window while our network's is read at every head.
+DDP_SNAPSHOT_STEPS = 25
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ class Task:
     def steps(self) -> int:
         """Optimizer steps per worker (a DDP step is one global step of every rank)."""
         return self.windows * self.inner_steps
+
+    @property
+    def snapshot_steps(self) -> int:
+        """Steps between two of DDP's snapshots: a window's, at most :data:`DDP_SNAPSHOT_STEPS`."""
+        return min(self.inner_steps, DDP_SNAPSHOT_STEPS)
 
     @property
     def samples(self) -> int:

@@ -14,7 +14,7 @@ its rank. A DDP step consumes every rank's minibatch: the global batch is ``N x
 batch_size``, the same samples in all as the other systems.
 
 Everything a rank writes goes in ``DIR/rank<R>``: rank 0 a snapshot before training, every
-``task.inner_steps`` steps and at the end (their ``samples`` count the whole group's:
+``task.snapshot_steps`` steps and at the end (their ``samples`` count the whole group's:
 ``step x N x batch_size``); every other rank only its final weights (one snapshot at the
 last step, which must equal rank 0's: that is what DDP's all-reduce guarantees); every rank
 ``done.json`` with ``inner_seconds`` (wall time inside its optimizer steps, all-reduces
@@ -187,7 +187,7 @@ def _train(
                 f"{exc}; see the other ranks' logs for the one that stopped first"
             ) from exc
         inner_seconds += time.perf_counter() - started
-        if (rank == 0 and step % task.inner_steps == 0) or step == task.steps:
+        if (rank == 0 and step % task.snapshot_steps == 0) or step == task.steps:
             writer.save(step, step * group_batch, worker_weights(workload))
     writer.finish(inner_seconds=inner_seconds, steps=step, rank=rank)
 
