@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from p2ptrain.core.manifests import DatasetManifest, ShardInfo
-from p2ptrain.data.shakespeare import ShakespeareChars, load_corpus, plain_text
+from p2ptrain.data.shakespeare import (
+    _BLANK_LINES,
+    _BOLD,
+    _HEADING,
+    Corpus,
+    ShakespeareChars,
+    load_corpus,
+    plain_text,
+)
 from p2ptrain.data.shards import dataset_manifest, lease_indices, sample_bytes
 from p2ptrain.errors import LocalError
 from p2ptrain.protocol.leases import Lease
@@ -193,3 +204,28 @@ def test_stacked_samples_hash_like_the_samples_one_by_one() -> None:
 def test_stacked_samples_that_differ_from_the_samples_are_refused() -> None:
     with pytest.raises(LocalError, match=r"stacked_samples\(0, 4\) does not hold"):
         dataset_manifest(Stacked(10, wrong=True), name="pairs", samples_per_shard=4)
+
+
+# the definitions plain_text and Corpus had before they were made faster: the same output
+_UNDERSCORED_BEFORE = re.compile(r"(?<![A-Za-z0-9])_(.+?)_(?![A-Za-z0-9])", re.DOTALL)
+_TRAILING_BLANKS_BEFORE = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
+@given(st.text(alphabet="_a9 \t\n*#—", max_size=40))
+def test_the_markdown_is_stripped_as_the_regular_expressions_did(markdown: str) -> None:
+    text = _HEADING.sub("", markdown)
+    text = _BOLD.sub(r"\1", text)
+    text = _UNDERSCORED_BEFORE.sub(r"\1", text)
+    text = _TRAILING_BLANKS_BEFORE.sub("", text)
+    assert plain_text(markdown) == _BLANK_LINES.sub("\n\n", text).strip() + "\n\n"
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=0x2100), max_size=60))
+def test_the_corpus_encodes_as_sorted_vocabulary_indices(text: str) -> None:
+    vocab = "".join(sorted(set(text)))
+    assume(len(vocab) <= 256)
+    corpus = Corpus(text)
+    assert corpus.vocab == vocab
+    assert corpus.tokens.dtype == torch.uint8
+    assert corpus.tokens.tolist() == [vocab.index(char) for char in text]
+    assert corpus.decode(corpus.tokens) == text
