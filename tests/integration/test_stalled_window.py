@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.observe.status import STATUS_FILE
 from tests.support.local_net import Net, new_net, reaped
 
 pytestmark = pytest.mark.integration
@@ -47,6 +48,8 @@ def test_a_window_waits_for_the_live_trainers_only_and_says_so(net: Net) -> None
         deadline_s=DEADLINE_S,
         extra_args=["--heartbeat-s", str(HEARTBEAT_S)],
     )
+    for name in net.network.nodes:  # a node that said it is ready has written its status
+        assert (net.data_dir(name) / STATUS_FILE).is_file(), f"{name} has no status yet"
     net.wait_height("validator-0", 1, 120)
     stopped = net.network.nodes["trainer-2"].peer_id
     net.kill("trainer-2")

@@ -215,6 +215,7 @@ class Node:
             if s.host is not None and s.port == 0:
                 self.store.remember_listen_port(net.port)
             self.keeper.restore(self.identity.public_key)
+            await self.view.write_first()
             self._emit(
                 Ready(
                     peer_id=self.peer_id,

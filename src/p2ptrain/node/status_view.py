@@ -260,17 +260,25 @@ class StatusView:
         )
         return known + revoked
 
-    async def write_forever(self) -> None:
+    async def write_first(self) -> None:
+        """Write the status before the node says it is ready, so that whoever saw it ready
+        finds its status file (the blob store counted off the loop, once)."""
         try:
-            await asyncio.to_thread(self.node.store.blobs.usage)  # counted off the loop, once
+            await asyncio.to_thread(self.node.store.blobs.usage)
         except OSError as exc:  # counted again when the status asks
             logger.warning("counting the blob store: %s", exc)
+        self._write_guarded()
+
+    async def write_forever(self) -> None:
         while True:
             await asyncio.sleep(_STATUS_EVERY_S)
-            try:
-                self.write()
-            except Exception:  # the status is for people: never the end of the node
-                logger.exception("writing the status failed")
+            self._write_guarded()
+
+    def _write_guarded(self) -> None:
+        try:
+            self.write()
+        except Exception:  # the status is for people: never the end of the node
+            logger.exception("writing the status failed")
 
     @contextlib.asynccontextmanager
     async def metrics_listener(self) -> AsyncIterator[None]:
