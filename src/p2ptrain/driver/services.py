@@ -37,7 +37,7 @@ from p2ptrain.driver.clock import now as clock
 from p2ptrain.driver.racing import hedged
 from p2ptrain.driver.storage import StorageHealth
 from p2ptrain.driver.transport import Downloaded, Keep, Message, Peer, Transport
-from p2ptrain.errors import ProtocolViolation, TransportError
+from p2ptrain.errors import BlobNotFound, ProtocolViolation, TransportError
 from p2ptrain.observe.events import NodeEvent, PeerReported
 from p2ptrain.observe.status import PeerReport
 from p2ptrain.observe.telemetry import NodeTelemetry
@@ -52,6 +52,7 @@ __all__ = ["PeerServices", "experiment_topic"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _MAX_PROVIDERS = 8
 #: A provider that failed in transit within this long is asked after the others.
@@ -250,16 +251,38 @@ class PeerServices:
         *,
         kind: str = "other",
     ) -> bytes | bytearray:
-        await self.download(blob_id, first, size, kind=kind)
-        return self.store.blobs.get(blob_id)  # the store's fresh buffer: no second copy
+        # the store's fresh buffer: no second copy
+        return await self._landed(blob_id, first, size, kind, self.store.blobs.get)
 
     async def fetch_update_blob(
         self, blob_id: str, first: Sequence[str] = (), size: int | None = None
     ) -> ByteSource:
         """An update blob, fetched into the store unless it is there, to be read by range:
         a reduction holds one window of each update, never its whole blob."""
-        await self.download(blob_id, first, size, kind="update")
-        return self.store.blobs.reader(blob_id)
+        return await self._landed(blob_id, first, size, "update", self.store.blobs.reader)
+
+    async def _landed(
+        self,
+        blob_id: str,
+        first: Sequence[str],
+        size: int | None,
+        kind: str,
+        read: Callable[[str], R],
+    ) -> R:
+        """``read(blob_id)`` once the blob is in the store. The node's collector may delete
+        it between its landing and this task's turn to read it (its window passed while the
+        fetch ran, on a node whose other role is ahead): then it is fetched once more, and
+        a second loss is a fetch that failed (TransportError), not the role's failure."""
+        for _ in range(2):
+            await self.download(blob_id, first, size, kind=kind)
+            try:
+                return read(blob_id)
+            except BlobNotFound:
+                logger.info("%s blob %s was collected as it landed", kind, blob_id[:12])
+        raise TransportError(
+            f"{kind} blob {blob_id[:12]} was collected twice as soon as it landed (its window "
+            "has passed here); the fetch is given up"
+        )
 
     async def fetch_head_blobs(
         self, head: Head, first: Sequence[str] = ()
