@@ -1,8 +1,9 @@
 """A node's status as one frozen record: what ``p2ptrain status`` shows and the node writes.
 
 The node writes its :class:`NodeStatus` to ``status.json`` in its data directory (before it
-says it is ready, every two seconds, at each certified window and when it stops) and answers it at ``GET /v1/status``;
-:func:`read_status` and :func:`decode_status` read either back into the record.
+says it is ready, every two seconds, at each certified window and when it stops) and answers
+it at ``GET /v1/status``; :func:`read_status` and :func:`decode_status` read either back into
+the record.
 """
 
 from __future__ import annotations
