@@ -24,6 +24,7 @@ After the nodes stopped, :func:`stored_chain`, :func:`stored_records` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -501,12 +502,32 @@ class Net:
             for node in self.processes:
                 if node.process.poll() is None:
                     node.process.send_signal(signal.SIGKILL)
+            # before the pipes are closed: a straggler holding one open would block it forever
+            kill_stragglers(self.workdir)
+            for node in self.processes:
                 try:
                     node.process.wait(timeout=10)
                 except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
                     continue
                 if node.stdout is not None:
                     node.stdout.close()
+
+
+def kill_stragglers(workdir: Path) -> None:
+    """SIGKILL the processes that outlived the node that started them, found by ``workdir``
+    in their command line: a pod's ranks run in sessions of their own, so a killed node's
+    torchrun leaves them behind, holding its stdout pipe open."""
+    marker = f"{workdir}/".encode()  # its nodes' directories, not a sibling's
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 # -- what a stopped node's data directory holds --------------------------------------------
