@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from p2ptrain.errors import LocalError
+from p2ptrain.node.parent_death import PARENT_ENV
 
 if TYPE_CHECKING:
     from p2ptrain.torch.pod import PodSettings
@@ -113,6 +114,8 @@ def launch_pod(argv: Sequence[str], ranks: int, restarts: int | None) -> NoRetur
         "p2ptrain",
         *without_pod_ranks(argv),
     ]
+    # the ranks' parent is torchrun's agent, which keeps this pid (exit_with_parent)
+    os.environ[PARENT_ENV] = str(os.getpid())
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command)  # does not return

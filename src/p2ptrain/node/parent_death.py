@@ -29,9 +29,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-__all__ = ["bound_to_this_process", "exit_with_parent", "guards_children"]
+__all__ = ["PARENT_ENV", "bound_to_this_process", "exit_with_parent", "guards_children"]
 
 _PR_SET_PDEATHSIG = 1
+
+#: The variable naming the pid a pod rank's parent must have (``torchrun``'s agent: ``p2ptrain
+#: train --pod-ranks`` sets it to its own pid before it becomes ``torchrun``).
+PARENT_ENV = "P2PTRAIN_POD_AGENT_PID"
 
 
 def guards_children() -> bool:
@@ -55,8 +59,13 @@ def exit_with_parent(what: str, poll_s: float = 0.5) -> None:
     wrapped by :func:`bound_to_this_process`. A daemon thread reads the parent's pid every
     ``poll_s``; once the process has been handed to another parent it says so and exits at
     once (``os._exit``: a rank stuck in a collective or in torch.distributed's teardown
-    would not get further), as the agent's own SIGKILL would have ended it."""
-    parent = os.getppid()
+    would not get further), as the agent's own SIGKILL would have ended it.
+
+    The parent to watch is the pid in :data:`PARENT_ENV` where it is set, else the parent
+    this process has now. The variable closes a race: a rank that gets here after its agent
+    was killed already has another parent, and watching that one would keep it alive."""
+    named = os.environ.get(PARENT_ENV, "")
+    parent = int(named) if named.isdigit() else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -3,7 +3,9 @@ has ended, rather than training on alone (:func:`~p2ptrain.node.parent_death.exi
 
 The test starts a middle process that starts the watched one, both writing to one pipe;
 the middle process is SIGKILLed, and the pipe must reach its end (every writer gone) with
-the watched process saying why it exited."""
+the watched process saying why it exited. A process told which parent to watch
+(``PARENT_ENV``, as ``torchrun``'s ranks are) and started after that parent ended exits at
+once: watching the parent it has by then would keep it alive."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+from p2ptrain.node.parent_death import PARENT_ENV
 
 WATCHED = """
 import threading
@@ -64,3 +68,19 @@ def test_a_process_exits_once_the_one_that_started_it_is_killed() -> None:
     said = f"watched: the process that started it (pid {middle.pid}) has ended; exiting"
     assert said in lines, lines
     assert watched != middle.pid
+
+
+def test_a_process_whose_named_parent_has_already_ended_exits_at_once() -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    watched = subprocess.run(
+        [sys.executable, "-c", WATCHED],
+        env={**os.environ, PARENT_ENV: str(ended.pid)},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = f"watched: the process that started it (pid {ended.pid}) has ended; exiting"
+    assert watched.returncode == 1, (watched.returncode, watched.stdout, watched.stderr)
+    assert said in watched.stderr
