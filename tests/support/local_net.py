@@ -515,8 +515,9 @@ class Net:
 
 def kill_stragglers(workdir: Path) -> None:
     """SIGKILL the processes that outlived the node that started them, found by ``workdir``
-    in their command line: a pod's ranks run in sessions of their own, so a killed node's
-    torchrun leaves them behind, holding its stdout pipe open."""
+    in their command line: a pod's ranks run in sessions of their own and hold the node's
+    stdout pipe open; a rank ends itself once its torchrun is killed, but not a rank a test
+    stopped (SIGSTOP) and failed before it let it go."""
     marker = f"{workdir}/".encode()  # its nodes' directories, not a sibling's
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
