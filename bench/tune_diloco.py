@@ -51,7 +51,7 @@ from p2ptrain.core.records import Update
 from p2ptrain.core.tensors import encode_state_dict, schema_hash, schema_of
 from p2ptrain.data.shards import lease_indices
 from p2ptrain.protocol.chain import genesis_head
-from p2ptrain.protocol.leases import Lease, LeaseBook
+from p2ptrain.protocol.leases import Lease, LeaseBook, lease_for
 from p2ptrain.protocol.reduction import BaseState, Submission, reduce_window
 from p2ptrain.torch.baseline import ddp_bytes_per_worker, ddp_equivalent
 from p2ptrain.torch.char_gpt import (
@@ -131,6 +131,33 @@ def _manifest(
         lease_size=args.inner_steps * int(config["batch_size"]),
         genesis_weights=sha256_hex(bytes(encode_state_dict(genesis))),
     )
+
+
+class _DrawnLeases(LeaseBook):
+    """A lease book whose leases are drawn from ``draw_id`` instead of the experiment's id:
+    with ``--lease-seed``, runs that change a setting (which changes the id) still train on
+    the same samples, so their losses and their DDP replays compare row for row."""
+
+    def __init__(self, manifest: ExperimentManifest, draw_id: str) -> None:
+        super().__init__(manifest)
+        self._draw_id = draw_id
+        self._drawn: dict[tuple[int, str], Lease] = {}
+
+    def lease(self, window: int, peer_id: str) -> Lease:
+        lease = self._drawn.get((window, peer_id))
+        if lease is None:
+            lease = lease_for(self.manifest, window, peer_id, experiment_id=self._draw_id)
+            self._drawn[(window, peer_id)] = lease
+        return lease
+
+
+def _lease_book(manifest: ExperimentManifest, args: argparse.Namespace) -> LeaseBook:
+    """The experiment's own leases, or with ``--lease-seed`` leases drawn from a fixed id
+    (the seed and the lease size: rows with the same H and batch see the same samples)."""
+    if args.lease_seed is None:
+        return LeaseBook(manifest)
+    draw = f"tune-diloco-leases-{args.lease_seed}-{manifest.lease_size}".encode()
+    return _DrawnLeases(manifest, sha256_hex(draw))
 
 
 def _genesis_base(
@@ -221,7 +248,7 @@ def simulate(args: argparse.Namespace) -> Figures:
     trainers = [char_gpt_workload(config) for _ in range(args.trainers)]
     genesis = trainers[0].initial_weights()
     manifest = _manifest(trainers[0], config, args, genesis)
-    leases = LeaseBook(manifest)
+    leases = _lease_book(manifest, args)
     identities = [_identity(f"trainer-{t}") for t in range(args.trainers)]
     encoders = [
         WindowEncoders(manifest.codec, schema_of(genesis), seed=t) for t in range(args.trainers)
@@ -335,6 +362,13 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument(
         "--seed", type=int, default=None, help="model seed; also reshuffles the leases"
+    )
+    parser.add_argument(
+        "--lease-seed",
+        type=int,
+        default=None,
+        help="draw the leases from this seed instead of the experiment's id, so that rows "
+        "changing a setting train on the same samples (and replay the same DDP run)",
     )
     parser.add_argument("--codec", default=DEMO_CODEC)
     parser.add_argument("--codec-config", default="{}", help="the codec's config, as JSON")
