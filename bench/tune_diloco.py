@@ -236,7 +236,16 @@ def _replay_ddp(
 def _model_config(args: argparse.Namespace) -> dict[str, str | int | float | bool]:
     """The demo's char-GPT config with the command line's changes."""
     config = dict(DEFAULT_CONFIG)
-    for key in ("lr", "batch_size", "n_layer", "n_embd", "n_head", "block_size", "seed"):
+    for key in (
+        "lr",
+        "batch_size",
+        "n_layer",
+        "n_embd",
+        "n_head",
+        "block_size",
+        "seed",
+        "samples_per_shard",
+    ):
         value = getattr(args, key)
         if value is not None:
             config[key] = value
@@ -360,6 +369,13 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=None)
     parser.add_argument("--n-head", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument(
+        "--samples-per-shard",
+        type=int,
+        default=None,
+        help="the dataset's shard size: a lease is whole shards, so smaller shards spread "
+        "a trainer's window over more of the text",
+    )
     parser.add_argument(
         "--seed", type=int, default=None, help="model seed; also reshuffles the leases"
     )
