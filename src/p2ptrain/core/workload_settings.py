@@ -54,6 +54,13 @@ BUILT_IN_WORKLOADS: dict[str, BuiltInWorkload] = {
             "weight_decay": Setting("AdamW's weight decay.", 0.1),
             "batch_size": Setting("Samples per inner step.", 16),
             "samples_per_shard": Setting(_SHARD, 256),
+            "spread_blocks": Setting(
+                "Whether the training blocks are numbered in an order spread over the whole "
+                "text (every shard, and so every lease, holds blocks from all of the plays, as "
+                "uniform minibatches do) rather than in the text's order (a shard is one "
+                "stretch of one play). Both order the same blocks; the dataset's hash differs.",
+                True,
+            ),
             "val_blocks": Setting(_VAL, 256),
         },
     ),

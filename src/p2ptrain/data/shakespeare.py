@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Literal
@@ -102,15 +103,35 @@ def load_corpus() -> Corpus:
     return Corpus("".join(plain_text(path.read_text(encoding="utf-8")) for path in files))
 
 
+def spread_order(count: int) -> torch.Tensor:
+    """A fixed order of ``count`` items in which neighbours lie far apart:
+    ``i -> i * stride mod count``, the stride the integer nearest ``count`` times the golden
+    ratio's fraction that is coprime to ``count`` (a permutation). Any run of consecutive
+    positions then takes items spread evenly over all of them: integer arithmetic, the same
+    on every machine and version."""
+    if count < 3:
+        return torch.arange(count)
+    stride = round(count * (math.sqrt(5) - 1) / 2)
+    while math.gcd(stride, count) != 1:
+        stride += 1
+    return torch.arange(count, dtype=torch.int64) * stride % count
+
+
 class ShakespeareChars:
     """Character blocks of the corpus: ``dataset[i] = (x, y)``, int64 tensors of
-    ``block_size`` tokens, ``y`` being ``x`` shifted by one character."""
+    ``block_size`` tokens, ``y`` being ``x`` shifted by one character.
+
+    ``spread``: the blocks in :func:`spread_order`, not the text's, so that the consecutive
+    samples a shard (and so a lease) holds come from all over the text, as minibatches drawn
+    uniformly do, instead of one stretch of one play."""
 
     def __init__(
         self,
         block_size: int,
         split: Literal["train", "val"] = "train",
         val_fraction: float = 0.1,
+        *,
+        spread: bool = False,
     ) -> None:
         if block_size < 1:
             raise LocalError(f"block_size must be at least 1, got {block_size}")
@@ -131,6 +152,8 @@ class ShakespeareChars:
             raise LocalError(f"block_size {block_size} leaves no {split} blocks; lower it")
         span = corpus.tokens[first * (block_size + 1) : stop * (block_size + 1)]
         self._blocks = span.reshape(stop - first, block_size + 1)
+        if spread:
+            self._blocks = self._blocks[spread_order(stop - first)]
 
     @property
     def vocab_size(self) -> int:

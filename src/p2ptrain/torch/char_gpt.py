@@ -83,6 +83,7 @@ DEFAULT_CONFIG: Final[dict[str, ConfigValue]] = {
     "weight_decay": 0.1,
     "batch_size": 16,
     "samples_per_shard": 256,
+    "spread_blocks": True,
     "val_blocks": 256,
 }
 
@@ -266,7 +267,9 @@ def char_gpt_workload(
     vocab: tuple[str, ...] | None
     if text is None:
         block_size = _int(settings, "block_size")
-        train, val = ShakespeareChars(block_size, "train"), ShakespeareChars(block_size, "val")
+        spread = bool(settings["spread_blocks"])
+        train = ShakespeareChars(block_size, "train", spread=spread)
+        val = ShakespeareChars(block_size, "val")
         vocab_size, vocab = train.vocab_size, tuple(train.vocab)
     else:
         block_size = _context(config, text)

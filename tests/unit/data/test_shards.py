@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 
 import pytest
@@ -19,6 +20,7 @@ from p2ptrain.data.shakespeare import (
     ShakespeareChars,
     load_corpus,
     plain_text,
+    spread_order,
 )
 from p2ptrain.data.shards import dataset_manifest, lease_indices, sample_bytes
 from p2ptrain.errors import LocalError
@@ -160,6 +162,40 @@ def test_shakespeare_blocks_and_vocabulary() -> None:
         train[len(train)]
 
 
+@given(st.integers(0, 5000))
+def test_the_spread_order_is_a_permutation(count: int) -> None:
+    order = spread_order(count).tolist()
+    assert sorted(order) == list(range(count))
+
+
+def test_the_spread_order_is_fixed_arithmetic() -> None:
+    # stride round(10 * 0.618) = 6 shares 2 with 10; 7 is the first coprime one
+    assert spread_order(10).tolist() == [0, 7, 4, 1, 8, 5, 2, 9, 6, 3]
+
+
+def test_spread_blocks_are_the_same_blocks_and_a_shard_spans_the_text() -> None:
+    plain, spread = ShakespeareChars(64, "train"), ShakespeareChars(64, "train", spread=True)
+    order = spread_order(len(plain))
+    assert torch.equal(
+        spread.stacked_samples(0, len(spread))[0], plain.stacked_samples(0, len(plain))[0][order]
+    )
+    x, y = spread[3]
+    assert torch.equal(x, plain[int(order[3])][0]) and torch.equal(y, plain[int(order[3])][1])
+    # a shard of 256 consecutive samples: blocks from every stretch of a 256th of the text
+    shard = sorted(order[1000:1256].tolist())
+    gaps = [b - a for a, b in itertools.pairwise(shard)]
+    assert max(gaps) <= 2 * len(plain) // 256, max(gaps)
+    # the validation split keeps the text's order
+    assert torch.equal(ShakespeareChars(64, "val")[0][0], plain_val_first(64))
+
+
+def plain_val_first(block_size: int) -> torch.Tensor:
+    corpus = load_corpus()
+    blocks = len(corpus.tokens) // (block_size + 1)
+    start = (blocks - round(blocks * 0.1)) * (block_size + 1)
+    return corpus.tokens[start : start + block_size].long()
+
+
 class Stacked(Pairs):
     """:class:`Pairs` with float features and an int64 label, and their stacked form
     (``wrong``: one that does not hold the samples)."""
@@ -229,3 +265,14 @@ def test_the_corpus_encodes_as_sorted_vocabulary_indices(text: str) -> None:
     assert corpus.tokens.dtype == torch.uint8
     assert corpus.tokens.tolist() == [vocab.index(char) for char in text]
     assert corpus.decode(corpus.tokens) == text
+
+
+def test_char_gpt_spreads_its_blocks_unless_told_not_to() -> None:
+    from p2ptrain.torch.char_gpt import DEFAULT_CONFIG, char_gpt_workload
+
+    assert DEFAULT_CONFIG["spread_blocks"] is True
+    plain = ShakespeareChars(64, "train")
+    order = spread_order(len(plain))
+    for config, expected in (({}, int(order[7])), ({"spread_blocks": False}, 7)):
+        train = char_gpt_workload(config).train_dataset
+        assert torch.equal(train[7][0], plain[expected][0]), config
